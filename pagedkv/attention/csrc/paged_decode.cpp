@@ -1,0 +1,345 @@
+// Paged decode attention that reads K/V straight from the pool through the block table: no gather copy.
+//
+// A work item is one request's context, or a partition of it. It walks the block table a block at a time
+// (prefetching the next block, which the hardware cannot guess) and, for every KV head, dots each K row
+// with all G query heads of that KV head (GQA: one pass over K/V per KV head), keeps an online softmax
+// (running max m, running sum l) per query head and accumulates p * V. A block's K/V for all heads is one
+// contiguous stretch of the pool, so it is read front to back. Items run on torch's intra-op threads and
+// pull work from an atomic counter, longest first; long contexts are cut into partitions when the batch
+// alone cannot keep the threads busy, and the partial results are merged with log-sum-exp (vLLM's paged
+// attention v2 idea).
+//
+// Only the headers it needs (not torch/extension.h): the first build takes a third of the time.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+// Eight floats as a GCC/Clang vector type: portable code that compiles to packed instructions on any target.
+typedef float Vec __attribute__((vector_size(32)));
+typedef int32_t Int8 __attribute__((vector_size(32)));
+typedef uint32_t Word8 __attribute__((vector_size(32)));
+typedef uint16_t Half8 __attribute__((vector_size(16)));
+constexpr int64_t kLanes = 8;
+constexpr int64_t kRegs = 8;             // vectors of q or of the accumulator held in registers at once
+constexpr int64_t kTile = 32;            // tokens per softmax update (a tile never crosses a block)
+constexpr int64_t kMinPartition = 256;   // shorter partitions cost more to merge than they gain
+constexpr int64_t kItemsPerThread = 8;   // enough items per thread for the dynamic schedule to balance
+
+inline Vec splat(float x) { return Vec{x, x, x, x, x, x, x, x}; }
+inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
+
+inline Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// bf16 is the top half of an fp32: widen the 16-bit words and shift them up.
+inline Vec load(const at::BFloat16* p) {
+  Half8 h;
+  std::memcpy(&h, p, sizeof(h));
+  const Word8 w = __builtin_convertvector(h, Word8) << 16;
+  Vec v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
+inline float hsum(Vec v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+// {hsum(v[0]), ..., hsum(v[7])} as a transpose-and-add tree: 7 adds for 8 sums instead of 7 per sum.
+inline Vec hsum8(const Vec* v) {
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+  Vec pairs[4], quads[2];
+  for (int j = 0; j < 4; ++j)
+    pairs[j] = __builtin_shufflevector(v[2 * j], v[2 * j + 1], 0, 8, 1, 9, 4, 12, 5, 13) +
+               __builtin_shufflevector(v[2 * j], v[2 * j + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  for (int j = 0; j < 2; ++j)
+    quads[j] = __builtin_shufflevector(pairs[2 * j], pairs[2 * j + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               __builtin_shufflevector(pairs[2 * j], pairs[2 * j + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(quads[0], quads[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(quads[0], quads[1], 4, 5, 6, 7, 12, 13, 14, 15);
+#else
+  Vec out;
+  for (int j = 0; j < 8; ++j) out[j] = hsum(v[j]);
+  return out;
+#endif
+}
+
+// exp(x) for x <= 0 (scores minus their running max): 2^n * poly(r) with x = n ln2 + r, relative error
+// ~1e-7. Inputs below -87 are clamped: their weight (< 1e-37) is nothing next to the max's weight of 1.
+inline Vec exp_nonpositive(Vec x) {
+  const Vec lo = splat(-87.0f), round = splat(12582912.0f);  // adding 1.5 * 2^23 rounds to an integer
+  x = x < lo ? lo : x;
+  const Vec n = (x * 1.44269504088896341f + round) - round;
+  const Vec r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  Vec p = splat(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = p * r + c;
+  p = p * r * r + r + 1.0f;
+  const Int8 bits = (__builtin_convertvector(n, Int8) + 127) << 23;
+  Vec two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
+template <typename T>
+struct Problem {
+  const float* q;  // [batch, q_heads, dim], fp32
+  const T* k;      // pools [num_blocks, block_size, kv_heads, dim]
+  const T* v;
+  const int64_t* tables;  // [batch, max_blocks]
+  const std::vector<int64_t>& lens;
+  int64_t q_heads, kv_heads, group, dim, block_size, max_blocks;
+  float scale;
+};
+
+struct Item {
+  int64_t request, begin, end, slot;  // slot: where a partition's partial result goes, -1 if unsplit
+};
+
+// One worker's state for one item: scaled queries, then per query head accumulator, max and sum.
+struct Scratch {
+  std::vector<float> q, acc, m, l, scores;
+  std::vector<Vec> partial;
+  Scratch(int64_t heads, int64_t dim)
+      : q(heads * dim), acc(heads * dim), m(heads), l(heads), scores(kTile), partial(kTile) {}
+};
+
+// scores[i] = q . k[i * row + (0, dim)] for i < n. The query stays in registers, kRegs vectors at a time,
+// and each token's partial sums stay a vector until one shared transpose-add at the end.
+template <typename T>
+void qk_scores(float* scores, Vec* partial, const float* q, const T* k, int64_t n, int64_t row, int64_t dim) {
+  const int64_t vec_end = dim / kLanes * kLanes;
+  std::fill(partial, partial + (n + kLanes - 1) / kLanes * kLanes, Vec{});
+  for (int64_t c0 = 0; c0 < vec_end; c0 += kRegs * kLanes) {
+    const int64_t width = std::min(kRegs * kLanes, vec_end - c0);
+    Vec qv[kRegs];
+    for (int64_t c = 0; c < width; c += kLanes) qv[c / kLanes] = load(q + c0 + c);
+    for (int64_t i = 0; i < n; ++i) {
+      const T* k_row = k + i * row + c0;
+      Vec a = {}, b = {};
+      int64_t c = 0;
+      for (; c + 2 * kLanes <= width; c += 2 * kLanes) {
+        a += qv[c / kLanes] * load(k_row + c);
+        b += qv[c / kLanes + 1] * load(k_row + c + kLanes);
+      }
+      if (c < width) a += qv[c / kLanes] * load(k_row + c);
+      partial[i] += a + b;
+    }
+  }
+  for (int64_t i = 0; i < n; i += kLanes) store(scores + i, hsum8(partial + i));
+  for (int64_t d = vec_end; d < dim; ++d)
+    for (int64_t i = 0; i < n; ++i) scores[i] += q[d] * to_float(k[i * row + d]);
+}
+
+// acc[0, dim) += sum_i p[i] * v[i * row + (0, dim)], kRegs accumulator vectors in registers at a time.
+template <typename T>
+void accumulate(float* acc, const float* p, const T* v, int64_t n, int64_t row, int64_t dim) {
+  const int64_t vec_end = dim / kLanes * kLanes;
+  for (int64_t c0 = 0; c0 < vec_end; c0 += kRegs * kLanes) {
+    const int64_t width = std::min(kRegs * kLanes, vec_end - c0);
+    Vec a[kRegs];
+    for (int64_t c = 0; c < width; c += kLanes) a[c / kLanes] = load(acc + c0 + c);
+    for (int64_t i = 0; i < n; ++i) {
+      const T* v_row = v + i * row + c0;
+      const Vec pi = splat(p[i]);
+      for (int64_t c = 0; c < width; c += kLanes) a[c / kLanes] += pi * load(v_row + c);
+    }
+    for (int64_t c = 0; c < width; c += kLanes) store(acc + c0 + c, a[c / kLanes]);
+  }
+  for (int64_t d = vec_end; d < dim; ++d)
+    for (int64_t i = 0; i < n; ++i) acc[d] += p[i] * to_float(v[i * row + d]);
+}
+
+// Fold tile scores s[0, n) into one query head's online softmax: s becomes p = exp(s - m_new), the sum and
+// accumulator are rescaled when the max grows. Lanes [n, next multiple of 8) of s are scratch.
+inline void softmax_update(float* s, int64_t n, float& m, float& l, float* acc, int64_t dim) {
+  float m_new = m;
+  for (int64_t i = 0; i < n; ++i) m_new = std::max(m_new, s[i]);
+  const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
+  for (int64_t i = 0; i < padded; i += kLanes) store(s + i, exp_nonpositive(load(s + i) - m_new));
+  std::fill(s + n, s + padded, 0.0f);
+  Vec sum = {};
+  for (int64_t i = 0; i < padded; i += kLanes) sum += load(s + i);
+  if (m_new > m) {
+    const float alpha = exp_nonpositive(splat(m - m_new))[0];
+    for (int64_t d = 0; d < dim; ++d) acc[d] *= alpha;
+    l *= alpha;
+    m = m_new;
+  }
+  l += hsum(sum);
+}
+
+// Attend all query heads of item.request over tokens [item.begin, item.end), leaving the unnormalised
+// accumulators, maxima and sums in `s`. kDim > 0 fixes the head dim at compile time.
+template <typename T, int kDim>
+void attend(const Problem<T>& pr, const Item& item, Scratch& s) {
+  const int64_t dim = kDim > 0 ? kDim : pr.dim, bs = pr.block_size;
+  const int64_t row = pr.kv_heads * dim;  // pool elements per token
+  const float* q = pr.q + item.request * pr.q_heads * dim;
+  for (int64_t i = 0; i < pr.q_heads * dim; ++i) s.q[i] = q[i] * pr.scale;
+  std::fill(s.acc.begin(), s.acc.end(), 0.0f);
+  std::fill(s.m.begin(), s.m.end(), -std::numeric_limits<float>::infinity());
+  std::fill(s.l.begin(), s.l.end(), 0.0f);
+  const int64_t* table = pr.tables + item.request * pr.max_blocks;
+  for (int64_t t = item.begin; t < item.end;) {
+    const int64_t block = t / bs, n = std::min({kTile, bs - t % bs, item.end - t});
+    if (t + n == (block + 1) * bs && t + n < item.end) {
+      const int64_t first = table[block + 1] * bs * row, count = std::min(bs, item.end - t - n) * row;
+      for (int64_t e = 0; e < count; e += 64 / sizeof(T)) {
+        __builtin_prefetch(pr.k + first + e);
+        __builtin_prefetch(pr.v + first + e);
+      }
+    }
+    const int64_t first = (table[block] * bs + t % bs) * row;
+    for (int64_t h = 0; h < pr.kv_heads; ++h) {
+      for (int64_t head = h * pr.group; head < (h + 1) * pr.group; ++head) {
+        float* acc = s.acc.data() + head * dim;
+        qk_scores(s.scores.data(), s.partial.data(), s.q.data() + head * dim, pr.k + first + h * dim, n, row, dim);
+        softmax_update(s.scores.data(), n, s.m[head], s.l[head], acc, dim);
+        accumulate(acc, s.scores.data(), pr.v + first + h * dim, n, row, dim);
+      }
+    }
+    t += n;
+  }
+}
+
+int64_t choose_partition(const std::vector<int64_t>& lens, int64_t block_size, int64_t requested) {
+  int64_t size = requested;
+  if (size <= 0) {
+    const int64_t items = kItemsPerThread * std::max<int64_t>(at::get_num_threads(), 1);
+    const int64_t work = std::accumulate(lens.begin(), lens.end(), int64_t{0});
+    size = std::max((work + items - 1) / items, kMinPartition);
+  }
+  return (size + block_size - 1) / block_size * block_size;
+}
+
+template <typename T, int kDim>
+void run(const Problem<T>& pr, int64_t partition, float* out) {
+  const int64_t dim = pr.dim, heads = pr.q_heads, batch = static_cast<int64_t>(pr.lens.size());
+  std::vector<Item> items;
+  std::vector<int64_t> first_slot(batch + 1, 0);  // partitions of request b: slots [first_slot[b], [b + 1])
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t parts = (pr.lens[b] + partition - 1) / partition;
+    first_slot[b + 1] = first_slot[b] + (parts > 1 ? parts : 0);
+    for (int64_t p = 0; p < parts; ++p)
+      items.push_back({b, p * partition, std::min(pr.lens[b], (p + 1) * partition), parts > 1 ? first_slot[b] + p : -1});
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.end - a.begin > b.end - b.begin; });
+  std::vector<float> part_acc(first_slot[batch] * heads * dim), part_m(first_slot[batch] * heads),
+      part_l(first_slot[batch] * heads);
+
+  std::atomic<int64_t> next{0};
+  const auto num_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, std::min<int64_t>(std::max(at::get_num_threads(), 1), num_items), 1, [&](int64_t, int64_t) {
+    Scratch s(heads, dim);
+    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
+      const Item& it = items[i];
+      attend<T, kDim>(pr, it, s);
+      if (it.slot >= 0) {
+        std::copy(s.acc.begin(), s.acc.end(), part_acc.begin() + it.slot * heads * dim);
+        std::copy(s.m.begin(), s.m.end(), part_m.begin() + it.slot * heads);
+        std::copy(s.l.begin(), s.l.end(), part_l.begin() + it.slot * heads);
+        continue;
+      }
+      for (int64_t head = 0; head < heads; ++head)
+        for (int64_t d = 0; d < dim; ++d)
+          out[(it.request * heads + head) * dim + d] = s.acc[head * dim + d] / s.l[head];
+    }
+  });
+
+  // Merge partitions: out = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p, with M the largest m_p.
+  at::parallel_for(0, batch * heads, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / heads, head = bh % heads, lo = first_slot[b], hi = first_slot[b + 1];
+      if (lo == hi) continue;
+      float m_max = -std::numeric_limits<float>::infinity(), total = 0.0f;
+      for (int64_t p = lo; p < hi; ++p) m_max = std::max(m_max, part_m[p * heads + head]);
+      float* o = out + bh * dim;
+      std::fill(o, o + dim, 0.0f);
+      for (int64_t p = lo; p < hi; ++p) {
+        const float w = std::exp(part_m[p * heads + head] - m_max);
+        total += w * part_l[p * heads + head];
+        const float* acc = part_acc.data() + (p * heads + head) * dim;
+        for (int64_t d = 0; d < dim; ++d) o[d] += w * acc[d];
+      }
+      for (int64_t d = 0; d < dim; ++d) o[d] /= total;
+    }
+  });
+}
+
+template <typename T>
+void dispatch_dim(const Problem<T>& pr, int64_t partition, float* out) {
+  switch (pr.dim) {
+    case 64: return run<T, 64>(pr, partition, out);
+    case 128: return run<T, 128>(pr, partition, out);
+    default: return run<T, 0>(pr, partition, out);
+  }
+}
+
+}  // namespace
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                        int64_t partition_tokens) {
+  TORCH_CHECK_VALUE(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous fp32 [B, Hq, D]");
+  TORCH_CHECK_VALUE(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.is_contiguous() &&
+                        v_pool.is_contiguous() && k_pool.scalar_type() == v_pool.scalar_type(),
+                    "k_pool and v_pool must be contiguous [num_blocks, block_size, Hkv, D] of one dtype");
+  TORCH_CHECK_VALUE(k_pool.scalar_type() == at::kFloat || k_pool.scalar_type() == at::kBFloat16, "pools must be fp32 or bf16");
+  TORCH_CHECK_VALUE(q.size(2) == k_pool.size(3) && q.size(1) % k_pool.size(2) == 0,
+                    "q [B, Hq, D] needs the pool's D and Hq a multiple of its Hkv");
+  TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
+                        seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() &&
+                        block_tables.size(0) == q.size(0) && seq_lens.size(0) == q.size(0),
+                    "block_tables must be contiguous int64 [B, max_blocks] and seq_lens contiguous int64 [B]");
+  const int64_t batch = q.size(0), bs = k_pool.size(1), max_blocks = block_tables.size(1);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const std::vector<int64_t> lens(seq_lens.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>() + batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK_VALUE(lens[b] >= 1 && lens[b] <= max_blocks * bs, "seq_lens[", b, "] = ", lens[b],
+                      " must lie in [1, max_blocks * block_size = ", max_blocks * bs, "]");
+    for (int64_t i = 0; i < (lens[b] + bs - 1) / bs; ++i) {
+      const int64_t block = tables[b * max_blocks + i];
+      TORCH_CHECK_VALUE(block >= 0 && block < k_pool.size(0), "block_tables[", b, ", ", i, "] = ", block,
+                        " is outside the pool's ", k_pool.size(0), " blocks");
+    }
+  }
+  auto out = at::empty_like(q);
+  if (batch == 0) return out;
+  const int64_t partition = choose_partition(lens, bs, partition_tokens);
+  const int64_t kv_heads = k_pool.size(2), q_heads = q.size(1), dim = q.size(2);
+  const auto fscale = static_cast<float>(scale);
+  if (k_pool.scalar_type() == at::kFloat) {
+    const Problem<float> pr{q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), tables, lens,
+                            q_heads, kv_heads, q_heads / kv_heads, dim, bs, max_blocks, fscale};
+    dispatch_dim(pr, partition, out.data_ptr<float>());
+  } else {
+    const Problem<at::BFloat16> pr{q.data_ptr<float>(), k_pool.data_ptr<at::BFloat16>(), v_pool.data_ptr<at::BFloat16>(),
+                                   tables, lens, q_heads, kv_heads, q_heads / kv_heads, dim, bs, max_blocks, fscale};
+    dispatch_dim(pr, partition, out.data_ptr<float>());
+  }
+  return out;
+}
+
+// torch.ops.pagedkv.paged_decode: q fp32 [B, Hq, D] -> fp32 [B, Hq, D]; partition_tokens <= 0 picks the
+// context partition size from the thread count.
+TORCH_LIBRARY(pagedkv, m) {
+  m.def("paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor seq_lens, float scale, "
+        "int partition_tokens) -> Tensor",
+        &paged_decode);
+}

@@ -1,0 +1,210 @@
+"""Decode attention over the paged KV pool: the compiled C++ kernel and its pure-PyTorch reference.
+
+The kernel (``csrc/paged_decode.cpp``) walks each request's block table and reads K/V straight from the
+pool, so a decode step moves no K/V at all; the reference gathers every request's context with one
+``index_select`` and runs SDPA. Both take the same arguments and give the same numbers, so the engine can
+use the reference wherever the kernel cannot be built.
+
+The kernel is compiled on first use with ``torch.utils.cpp_extension`` into a per-machine cache,
+``~/.cache/pagedkv/torch_extensions/<hash>`` (``$PAGEDKV_CACHE_DIR`` replaces ``~/.cache/pagedkv``). The hash
+covers the source, the flags, torch, Python and the CPU's instruction set, so a build is reused only where it
+is valid (``-march=native`` code must not run on another CPU). Concurrent first builds in one directory are
+serialised by torch's lock file there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from pagedkv.kv import ops
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_NAME = "pagedkv_paged_decode"
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
+
+
+@dataclass(slots=True)
+class _BuildState:
+    """The outcome of the one build attempt per process: the registered op, or why there is none."""
+
+    tried: bool = False
+    op: Callable[..., Tensor] | None = None
+    error: str | None = None
+
+
+_state = _BuildState()
+_lock = threading.Lock()
+
+
+def cache_dir() -> Path:
+    """Root of pagedkv's per-machine caches: ``$PAGEDKV_CACHE_DIR``, else ``~/.cache/pagedkv``."""
+    override = os.environ.get("PAGEDKV_CACHE_DIR")
+    return Path(override).expanduser() if override else Path.home() / ".cache" / "pagedkv"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def build_directory() -> Path:
+    """Where this source, built with these flags for this torch, Python and CPU, lives."""
+    key = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), " ".join(_CFLAGS + _LDFLAGS).encode(), torch.__version__.encode(),
+                 sys.version.encode(), platform.machine().encode(), _cpu_flags().encode()):
+        key.update(part)
+        key.update(b"\0")
+    return cache_dir() / "torch_extensions" / key.hexdigest()[:16]
+
+
+def _build() -> Callable[..., Tensor]:
+    """Load the cached library, else compile it; return the op it registers in ``torch.ops.pagedkv``.
+
+    A finished build (library present, no lock file of a build in progress) is loaded directly: importing
+    ``torch.utils.cpp_extension`` and asking ninja would cost ~0.4 s at every engine start.
+    """
+    directory = build_directory()
+    library = directory / f"{_NAME}.so"
+    if library.exists() and not (directory / "lock").exists():
+        try:
+            torch.ops.load_library(str(library))
+            return torch.ops.pagedkv.paged_decode
+        except (OSError, RuntimeError):
+            logger.debug("cached %s did not load, rebuilding it", library, exc_info=True)
+    from torch.utils import cpp_extension
+
+    directory.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=_NAME,
+        sources=[str(_SOURCE)],
+        extra_cflags=_CFLAGS,
+        extra_ldflags=_LDFLAGS,
+        build_directory=str(directory),
+        verbose=False,
+        is_python_module=False,
+    )
+    return torch.ops.pagedkv.paged_decode
+
+
+def _summary(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[-1] if lines else 'no message'}"[:300]
+
+
+def kernel_available() -> bool:
+    """Build (first call in this process) or load the C++ kernel; False, with one warning, if that fails."""
+    with _lock:
+        if not _state.tried:
+            _state.tried = True
+            try:
+                _state.op = _build()
+            except Exception as exc:  # any build failure (no compiler, no ninja, compile error) means fallback
+                _state.error = _summary(exc)
+                logger.debug("C++ decode kernel build failed", exc_info=True)
+                logger.warning(
+                    "pagedkv: the C++ decode attention kernel could not be built (%s); decode attention will "
+                    "use the gather + SDPA fallback. Set PAGEDKV_ATTENTION_BACKEND=gather to skip the attempt.",
+                    _state.error,
+                )
+        return _state.op is not None
+
+
+def _check_common(q: Tensor, k_pool: Tensor, v_pool: Tensor) -> None:
+    if q.dim() != 3 or k_pool.dim() != 4 or k_pool.shape != v_pool.shape:
+        raise ValueError(
+            f"need q [B, Hq, D] and equal pools [num_blocks, block_size, Hkv, D], got q {tuple(q.shape)}, "
+            f"k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}"
+        )
+    if q.dtype not in (k_pool.dtype, torch.float32) or k_pool.dtype != v_pool.dtype:
+        raise ValueError(
+            f"q dtype {q.dtype} must be float32 or the pools' dtype ({k_pool.dtype}, {v_pool.dtype} must match)"
+        )
+
+
+def decode_attention_kernel(
+    q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float
+) -> Tensor:
+    """``softmax(q K^T * scale) V`` per request over positions ``[0, seq_len)``, K/V read in place from the pools.
+
+    q ``[B, Hq, D]``; query head ``h`` uses KV head ``h // (Hq // Hkv)``. Returns ``[B, Hq, D]`` in q's dtype.
+    """
+    return _run_kernel(q, k_pool, v_pool, block_tables, seq_lens, scale, partition_tokens=0)
+
+
+def _run_kernel(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    partition_tokens: int,
+) -> Tensor:
+    """The kernel with an explicit context partition size (<= 0: chosen from the thread count); for tests."""
+    if not kernel_available():
+        raise RuntimeError(f"the C++ decode kernel is unavailable ({_state.error}): use the 'gather' backend")
+    _check_common(q, k_pool, v_pool)
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+        raise ValueError("k_pool and v_pool must be contiguous: the kernel addresses them by flat slot")
+    out = _state.op(
+        q.to(torch.float32).contiguous(),
+        k_pool,
+        v_pool,
+        block_tables.to(torch.int64).contiguous(),
+        seq_lens.to(torch.int64).contiguous(),
+        float(scale),
+        int(partition_tokens),
+    )
+    return out.to(q.dtype)
+
+
+def decode_attention_reference(
+    q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float
+) -> Tensor:
+    """Same semantics as :func:`decode_attention_kernel`, in PyTorch: one gather, then one batched SDPA.
+
+    All contexts are gathered with one ``index_select`` into ``[B, max_len]`` slots, padded positions
+    pointing at the request's last real slot and masked out. The G query heads of a KV head become SDPA's
+    query length, so GQA needs no repeated K/V. SDPA runs in fp32 (bf16 SDPA is far slower on CPU).
+    """
+    _check_common(q, k_pool, v_pool)
+    batch, q_heads, dim = q.shape
+    _, block_size, kv_heads, _ = k_pool.shape
+    if q_heads % kv_heads:
+        raise ValueError(f"query heads {q_heads} must be a multiple of KV heads {kv_heads}")
+    seq_lens = seq_lens.to(torch.int64)
+    max_len = int(seq_lens.max())
+    if int(seq_lens.min()) < 1 or max_len > block_tables.shape[1] * block_size:
+        raise ValueError(
+            f"seq_lens must lie in [1, {block_tables.shape[1] * block_size}] (block_tables width x block_size)"
+        )
+    positions = torch.arange(max_len)
+    valid = positions < seq_lens[:, None]
+    positions = torch.minimum(positions, seq_lens[:, None] - 1)
+    blocks = block_tables.to(torch.int64).gather(1, positions // block_size)
+    slots = (blocks * block_size + positions % block_size).reshape(-1)
+    k = ops.gather_slots(k_pool, slots).view(batch, max_len, kv_heads, dim).permute(0, 2, 1, 3)
+    v = ops.gather_slots(v_pool, slots).view(batch, max_len, kv_heads, dim).permute(0, 2, 1, 3)
+    if k.dtype != torch.float32:
+        k, v = k.float(), v.float()
+    query = q.to(torch.float32).reshape(batch, kv_heads, q_heads // kv_heads, dim)
+    out = F.scaled_dot_product_attention(query, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+    return out.reshape(batch, q_heads, dim).to(q.dtype)

@@ -1,0 +1,219 @@
+"""LLMEngine: add requests, run steps, stream outputs. The loop every entrypoint drives.
+
+One ``step()`` = schedule (which requests, how many tokens each) -> run the model on the flat batch ->
+sample one token per request whose known tokens are all computed -> append, detokenize, check stops ->
+free finished requests' blocks. Callers (``LLM``, the HTTP server) just call ``step()`` until nothing is left.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Sequence
+
+import torch
+
+from pagedkv.attention.backend import resolve_backend
+from pagedkv.config import EngineConfig
+from pagedkv.engine.detokenizer import IncrementalDetokenizer
+from pagedkv.engine.outputs import build_output, check_stop
+from pagedkv.engine.request import Request, RequestOutput
+from pagedkv.engine.runner import ModelRunner, kv_block_bytes
+from pagedkv.engine.scheduler import Scheduler
+from pagedkv.kv.manager import KVCacheManager
+from pagedkv.model.loader import load_model
+from pagedkv.sampler import Sampler, make_generator
+from pagedkv.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        self.attention_backend = resolve_backend(config.attention_backend)
+        loaded = load_model(config.model, dtype=config.dtype, attention_backend=self.attention_backend)
+        self.tokenizer = loaded.tokenizer
+        self.hf_config = loaded.hf_config
+        self.model_path = loaded.path
+        self.eos_token_ids = frozenset(loaded.eos_token_ids)
+        self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+        model = loaded.model
+        block_bytes = kv_block_bytes(model.num_layers, config.block_size, model.num_kv_heads, model.head_dim)
+        num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gb * 2**30) // block_bytes)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.kv)
+        self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
+        self.groups: dict[str, list[Request]] = {}
+        self.prompts: dict[str, str | None] = {}
+        self.counters = {"prompt_tokens_computed": 0, "generation_tokens": 0, "requests_finished": 0}
+        self._ids = itertools.count()
+        logger.info(
+            "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, attention %s",
+            self.model_path, num_blocks, config.block_size, self.max_model_len, self.attention_backend,
+        )
+
+    # -- requests -------------------------------------------------------------------------------------
+
+    def encode(self, prompt: str) -> list[int]:
+        return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+
+    def apply_chat_template(self, messages: Sequence[dict], **kwargs) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, **kwargs)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def add_request(
+        self,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        cache_salt: str | None = None,
+    ) -> str:
+        """Validate and queue a request; raises ValueError (and changes nothing) on bad input."""
+        params = params or SamplingParams()
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use: pick a unique id")
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("give a prompt or prompt_token_ids")
+            prompt_token_ids = self.encode(prompt)
+        token_ids = [int(t) for t in prompt_token_ids]
+        self._validate(token_ids, params)
+        group = []
+        for index in range(params.n):
+            group.append(
+                Request(
+                    request_id=f"{request_id}#{index}" if params.n > 1 else request_id,
+                    group_id=request_id,
+                    index=index,
+                    token_ids=list(token_ids),
+                    num_prompt_tokens=len(token_ids),
+                    params=params,
+                    cache_salt=cache_salt,
+                    generator=make_generator(None if params.seed is None else params.seed + index),
+                    detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params),
+                )
+            )
+        self.groups[request_id] = group
+        self.prompts[request_id] = prompt
+        for request in group:
+            self.scheduler.add(request)
+        return request_id
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.hf_config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab}) for this model")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}: shorten the "
+                f"prompt (it must leave room for at least one generated token) or raise max_model_len"
+            )
+        max_tokens = self.max_model_len - len(token_ids) if params.max_tokens is None else params.max_tokens
+        needed = min(len(token_ids) + max_tokens, self.max_model_len)
+        capacity = self.kv.num_total_blocks * self.kv.block_size
+        if needed > capacity:
+            raise ValueError(
+                f"this request may need {needed} tokens of KV cache but the whole pool holds {capacity} "
+                f"({self.kv.num_total_blocks} blocks of {self.kv.block_size}): lower max_tokens, shorten the "
+                f"prompt, or raise num_kv_blocks / kv_cache_memory_gb"
+            )
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and give its blocks back. False if it is unknown or already done."""
+        group = self.groups.pop(request_id, None)
+        self.prompts.pop(request_id, None)
+        if group is None:
+            return False
+        for request in group:
+            if not request.is_finished:
+                self.scheduler.finish(request, "abort")
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # -- one step -------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns an output for every request that made progress."""
+        step = self.scheduler.schedule()
+        if not step.scheduled:
+            return []
+        logits, sampled = self.runner.execute(step)
+        touched: dict[str, None] = {}
+        for s in step.scheduled:
+            request = s.request
+            start = request.num_computed_tokens
+            request.num_computed_tokens += s.num_new_tokens
+            self.counters["prompt_tokens_computed"] += max(0, min(request.num_prompt_tokens, request.num_computed_tokens) - start)
+            self._cache_full_blocks(request)
+        if sampled:
+            requests = [step.scheduled[i].request for i in sampled]
+            out = self.sampler(
+                logits,
+                [r.params for r in requests],
+                [r.generator for r in requests],
+                [r.prompt_token_ids for r in requests],
+                [r.output_token_ids for r in requests],
+            )
+            now = time.perf_counter()
+            for row, request in enumerate(requests):
+                self._append_token(request, row, out, now)
+                touched[request.group_id] = None
+        return self._collect_outputs(touched)
+
+    def _cache_full_blocks(self, request: Request) -> None:
+        if not self.kv.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.kv.block_size
+        self.scheduler.extend_keys(request, num_full)
+        self.kv.cache_full_blocks(request.request_id, request.block_keys, num_full)
+
+    def _append_token(self, request: Request, row: int, out, now: float) -> None:
+        token = out.token_ids[row]
+        request.token_ids.append(token)
+        request.first_token_time = request.first_token_time or now
+        request.last_token_time = now
+        self.counters["generation_tokens"] += 1
+        if request.params.logprobs is not None and out.logprobs is not None:
+            request.logprobs.append(out.logprobs[row])
+            request.top_logprobs.append(out.top_logprobs[row] or [])
+        reason, stop_reason = check_stop(request, token, self.eos_token_ids, self.max_model_len)
+        if reason is not None:
+            self.scheduler.finish(request, reason, stop_reason)
+            self.counters["requests_finished"] += 1
+
+    def _collect_outputs(self, touched: dict[str, None]) -> list[RequestOutput]:
+        outputs = []
+        for group_id in touched:
+            group = self.groups.get(group_id)
+            if group is None:
+                continue
+            output = build_output(group_id, self.prompts[group_id], group)
+            outputs.append(output)
+            if output.finished:
+                del self.groups[group_id]
+                del self.prompts[group_id]
+        return outputs
+
+    # -- cache and counters ---------------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    def stats(self) -> dict[str, float]:
+        stats = dict(self.kv.stats())
+        stats.update(self.counters)
+        stats["num_requests_running"] = len(self.scheduler.running)
+        stats["num_requests_waiting"] = len(self.scheduler.waiting)
+        stats["num_preemptions"] = self.scheduler.num_preemptions
+        return stats

@@ -1,0 +1,119 @@
+"""Request (one sequence the engine is generating) and RequestOutput (what callers get back)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedkv.kv.hashing import BlockKey
+from pagedkv.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Request:
+    """One sequence. A request with ``n > 1`` becomes n of these that share a ``group_id``.
+
+    ``token_ids`` is prompt + output in one list, appended to in place, so neither the scheduler nor the
+    runner ever concatenates. ``block_keys`` holds the prefix-cache key of every full block computed so far
+    (or, before admission, of every full prompt block), extended incrementally.
+    """
+
+    request_id: str
+    group_id: str
+    index: int  # which of the group's n samples this is
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    cache_salt: str | None = None
+    generator: torch.Generator | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+    block_keys: list[BlockKey] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    detokenizer: object | None = None
+    emitted_tokens: int = 0  # how many output tokens have been reported in a delta
+    emitted_text: int = 0  # how many characters of output text have been reported
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One of a request's n samples: cumulative text/tokens plus what is new since the last report."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    delta_text: str
+    delta_token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | int | None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The state of one request (all its samples). ``text`` / ``token_ids`` read the first sample."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int
+    finished: bool
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason

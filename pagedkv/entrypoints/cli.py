@@ -1,0 +1,142 @@
+"""`pagedkv generate | chat | serve | bench` -- the command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+from pagedkv.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
+
+BENCHMARKS = ("gather", "attention", "throughput")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine options shared by every command that loads a model."""
+    defaults = EngineConfig()
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    group.add_argument("--dtype", choices=DTYPES, default=defaults.dtype, help="weights of the linear layers")
+    group.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV block")
+    group.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (default: from --kv-cache-gb)")
+    group.add_argument("--kv-cache-gb", type=float, default=defaults.kv_cache_memory_gb, help="KV pool memory")
+    group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="requests per step")
+    group.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens, help="tokens per step")
+    group.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    group.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
+                       help="decode attention: compiled kernel or gather + SDPA (default: kernel if it builds)")
+    group.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {
+        "model": args.model,
+        "dtype": args.dtype,
+        "block_size": args.block_size,
+        "num_kv_blocks": args.num_kv_blocks,
+        "kv_cache_memory_gb": args.kv_cache_gb,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "attention_backend": args.attention_backend,
+        "num_threads": args.threads,
+    }
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=256)
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--seed", type=int, default=None)
+
+
+def sampling_params(args: argparse.Namespace):
+    from pagedkv.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pagedkv import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    params = sampling_params(args)
+    if args.chat_template:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
+    else:
+        outputs = llm.generate(args.prompts, params)
+    for output in outputs:
+        print(output.text if len(outputs) == 1 else f"--- {output.prompt or ''}\n{output.text}")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from pagedkv.entrypoints.chat import interactive_chat
+
+    return interactive_chat(engine_kwargs(args), sampling_params(args), args.system)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pagedkv.entrypoints.openai_server import serve
+
+    return serve(args, engine_kwargs(args))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / f"{args.benchmark}.py"
+    if not script.exists():
+        print(f"benchmark script {script} not found: `pagedkv bench` runs from a source checkout", file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, str(script), *args.bench_args])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedkv", description="A small, fast LLM inference engine on a paged KV cache.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="complete one or more prompts and print the results")
+    gen.add_argument("prompts", nargs="+", help="prompt text(s)")
+    gen.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user chat message")
+    add_sampling_args(gen)
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="talk to the model interactively, streaming the answers")
+    chat.add_argument("--system", default=None, help="system prompt")
+    add_sampling_args(chat)
+    add_engine_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    serve.add_argument("--served-model-name", default=None, help="model name clients use (default: file name)")
+    serve.add_argument("--max-queued-requests", type=int, default=256, help="past this, 503")
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="run a benchmark script (gather, attention, throughput)")
+    bench.add_argument("benchmark", choices=BENCHMARKS)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options passed to the script (try --help)")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

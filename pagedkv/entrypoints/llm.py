@@ -1,0 +1,107 @@
+"""LLM: offline batched generation, the way vLLM's ``LLM`` class is used."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from pagedkv.config import EngineConfig
+from pagedkv.engine.engine import LLMEngine
+from pagedkv.engine.request import RequestOutput
+from pagedkv.sampling import SamplingParams
+
+Messages = Sequence[dict[str, str]]
+
+
+class LLM:
+    """``LLM(model=..., **engine_options)``; no model means the default SmolLM2-135M-Instruct GGUF."""
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        unknown = set(kwargs) - set(EngineConfig.field_names())
+        if unknown:
+            raise TypeError(f"unknown LLM option(s) {sorted(unknown)}; valid ones: {EngineConfig.field_names()}")
+        self.config = EngineConfig(model=model, **kwargs)
+        self.engine = LLMEngine(self.config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        use_tqdm: bool = True,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids) together; outputs come back in input order."""
+        if prompts is not None and prompt_token_ids is not None:
+            raise ValueError("give prompts or prompt_token_ids, not both")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if prompts is not None:
+            token_lists = [self.engine.encode(p) for p in prompts]
+            texts: list[str | None] = list(prompts)
+        elif prompt_token_ids is not None:
+            token_lists = [list(t) for t in prompt_token_ids]
+            texts = [None] * len(token_lists)
+        else:
+            raise ValueError("give prompts or prompt_token_ids")
+        return self._run(texts, token_lists, sampling_params, use_tqdm, cache_salt)
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        token_lists = [self.engine.apply_chat_template(c) for c in conversations]
+        return self._run([None] * len(token_lists), token_lists, sampling_params, use_tqdm, cache_salt)
+
+    def _run(
+        self,
+        texts: list[str | None],
+        token_lists: list[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+        cache_salt: str | None,
+    ) -> list[RequestOutput]:
+        params = _per_prompt(sampling_params, len(token_lists))
+        ids: list[str] = []
+        try:
+            for text, tokens, p in zip(texts, token_lists, params):
+                ids.append(self.engine.add_request(prompt=text, prompt_token_ids=tokens, params=p, cache_salt=cache_salt))
+        except Exception:
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm or len(ids) < 2, leave=False)
+        wanted = set(ids)
+        while len(finished) < len(ids):
+            for output in self.engine.step():
+                if output.finished and output.request_id in wanted:
+                    finished[output.request_id] = output
+                    bar.update(1)
+        bar.close()
+        return [finished[i] for i in ids]
+
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+
+def _per_prompt(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * count
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    if len(sampling_params) != count:
+        raise ValueError(f"got {len(sampling_params)} SamplingParams for {count} prompts: give one, or one per prompt")
+    return list(sampling_params)

@@ -1,0 +1,156 @@
+"""Request and response bodies of the OpenAI API subset we serve, and OpenAI-style errors.
+
+Requests accept unknown fields (clients such as the ``openai`` package send extras like ``user`` or
+``store``) but reject the ones whose meaning we would silently ignore (``tools``, ``echo``, ...): a client
+that asks for a feature must hear that it is missing rather than get a plausible wrong answer.
+Sampling values are range-checked by ``SamplingParams``, whose messages name the field; pydantic here
+only checks types, so every range rule lives in one place.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagedkv.sampling import SamplingParams
+
+UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "echo", "suffix",
+                      "best_of", "audio", "prediction")
+SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos")
+
+
+class APIError(Exception):
+    """An error with an HTTP status and the OpenAI error body ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = None
+
+    def check_supported(self) -> None:
+        for name in UNSUPPORTED_FIELDS:
+            value = (self.model_extra or {}).get(name)
+            unset = value is None or value is False or value == [] or value == {}
+            if not unset and not (name == "best_of" and value == 1):
+                raise APIError(400, f"{name} is not supported by this server: remove it", param=name,
+                               code="unsupported_parameter")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise APIError(400, "cache_salt must be a non-empty string (or left out)", param="cache_salt")
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """The SamplingParams arguments the client set; unset ones keep SamplingParams' defaults."""
+        return {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        extra = {"max_tokens": self.max_tokens, "logprobs": self.logprobs}
+        return sampling_params(self.sampling_kwargs() | extra)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def as_template_dict(self, index: int) -> dict[str, str]:
+        """Flatten text content parts; the chat template only knows plain strings."""
+        if self.content is None or isinstance(self.content, str):
+            text = self.content or ""
+        else:
+            parts = []
+            for part in self.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise APIError(400, f"messages[{index}].content: only text parts are supported, got type "
+                                   f"{part.get('type')!r}", param=f"messages[{index}].content")
+                parts.append(part["text"])
+            text = "".join(parts)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        renames = {"logprobs": "top_logprobs"}
+        max_tokens = self.max_tokens
+        if self.max_completion_tokens is not None:
+            max_tokens, renames["max_tokens"] = self.max_completion_tokens, "max_completion_tokens"
+        extra = {"max_tokens": max_tokens, "logprobs": logprobs}
+        return sampling_params(self.sampling_kwargs() | extra, renames)
+
+
+def sampling_params(kwargs: dict[str, Any], renames: dict[str, str] | None = None) -> SamplingParams:
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise value_error(exc, renames) from exc
+
+
+_FIELD_RE = re.compile(r"^(\w+) must")
+
+
+def value_error(exc: ValueError, renames: dict[str, str] | None = None,
+                prompt_param: str = "prompt") -> APIError:
+    """Turn a SamplingParams / engine ValueError into a 400 that names the request field at fault."""
+    message = str(exc)
+    match = _FIELD_RE.match(message)
+    if match:
+        param = (renames or {}).get(match.group(1), match.group(1))
+    elif "max_tokens" in message:
+        param = (renames or {}).get("max_tokens", "max_tokens")
+    elif "prompt" in message:
+        param = prompt_param
+    else:
+        param = None
+    return APIError(400, message, param=param)

@@ -1,0 +1,95 @@
+"""POST /v1/chat/completions: the model's chat template turns messages into one prompt.
+
+Streaming follows the OpenAI shape: a first chunk per choice carrying ``role``, then content deltas, then
+a chunk with the finish_reason, then (with ``stream_options.include_usage``) a usage chunk with no choices.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pagedkv.engine.request import RequestOutput
+from pagedkv.entrypoints.async_engine import EnginePrompt, RequestStream
+from pagedkv.entrypoints.protocol import ChatCompletionRequest
+from pagedkv.entrypoints.responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+)
+from pagedkv.entrypoints.serving import (
+    ServingContext,
+    chat_logprobs,
+    collect,
+    event_stream,
+    fresh_samples,
+    usage,
+)
+
+
+async def create_chat_completion(
+    ctx: ServingContext, body: ChatCompletionRequest, request: Request
+) -> Response:
+    ctx.check_model(body.model)
+    body.check_supported()
+    params = body.to_sampling_params()
+    messages = [m.as_template_dict(i) for i, m in enumerate(body.messages)]
+    stream = await ctx.start(
+        "chatcmpl", [EnginePrompt(messages=messages)], params, body.cache_salt, prompt_param="messages"
+    )
+    if body.stream:
+        events = _stream_events(ctx, stream, body, params.n)
+        return event_stream(stream, events)
+    (output,) = await collect(stream, request)
+    response = ChatCompletionResponse(
+        id=stream.request_id,
+        model=ctx.model_name,
+        choices=[
+            ChatChoice(
+                index=sample.index,
+                message=AssistantMessage(content=sample.text),
+                logprobs=chat_logprobs(ctx, sample, delta=False),
+                finish_reason=sample.finish_reason,
+                stop_reason=sample.stop_reason,
+            )
+            for sample in output.outputs
+        ],
+        usage=usage([output]),
+    )
+    return Response(response.model_dump_json(), media_type="application/json")
+
+
+async def _stream_events(
+    ctx: ServingContext, stream: RequestStream, body: ChatCompletionRequest, n: int
+) -> AsyncIterator[ChatCompletionChunk]:
+    created = int(time.time())
+
+    def chunk(choices: list[ChatChunkChoice], **extra) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=stream.request_id, created=created, model=ctx.model_name, choices=choices, **extra
+        )
+
+    yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")) for i in range(n)])
+    last: RequestOutput | None = None
+    reported: set[tuple[int, int]] = set()
+    async for index, output in stream:
+        last = output
+        choices = [
+            ChatChunkChoice(
+                index=sample.index,
+                delta=ChatDelta(content=sample.delta_text) if sample.delta_text else ChatDelta(),
+                logprobs=chat_logprobs(ctx, sample, delta=True),
+                finish_reason=sample.finish_reason,
+            )
+            for sample in fresh_samples(index, output, reported)
+        ]
+        if choices:
+            yield chunk(choices)
+    if body.include_usage:
+        yield chunk([], usage=usage([last]))

@@ -1,0 +1,181 @@
+"""KVCacheManager: per-request block tables on top of the BlockPool, with automatic prefix caching.
+
+The scheduler's view of the KV cache: look up how much of a prompt is already cached, give a request the
+blocks for its next tokens (all or nothing), register blocks once they are full, and free a request's
+blocks when it finishes or is preempted. Block keys come from `pagedkv.kv.hashing`; this class never
+hashes tokens itself, so the request can key each block once and reuse the keys every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pagedkv.kv.block_pool import BlockPool
+from pagedkv.kv.hashing import BlockKey
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    """Result of a prefix lookup, to be passed to `allocate` in the same scheduling step.
+
+    `block_keys` are the keys the blocks were found under; `allocate` checks them so a hit that went
+    stale (its block evicted and reused in between) fails loudly instead of serving someone else's K/V.
+    """
+
+    block_ids: list[int]
+    num_tokens: int
+    num_queried_tokens: int
+    block_keys: list[BlockKey] = field(default_factory=list)
+
+
+class KVCacheManager:
+    """Block tables for requests; free blocks include cached ones nobody holds (evictable any time)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self._tables: dict[str, list[int]] = {}
+        # How many leading blocks of each request are already registered (or found) in the cache.
+        self._num_keyed: dict[str, int] = {}
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    def find_cached_prefix(self, block_keys: Sequence[BlockKey], num_prompt_tokens: int) -> PrefixHit:
+        """Longest run of leading blocks whose keys are cached; changes nothing and counts nothing.
+
+        At least one prompt token must be left to compute (its logits give the first output token), so a
+        prompt of exactly k full blocks can reuse at most k - 1 of them.
+        """
+        if not self.enable_prefix_caching:
+            return PrefixHit([], 0, 0)
+        max_blocks = min(len(block_keys), max(num_prompt_tokens - 1, 0) // self.block_size)
+        block_ids: list[int] = []
+        lookup = self.pool.lookup
+        for key in block_keys[:max_blocks]:
+            block_id = lookup(key)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        keys = list(block_keys[: len(block_ids)])
+        return PrefixHit(block_ids, len(block_ids) * self.block_size, num_prompt_tokens, keys)
+
+    def num_blocks_needed(self, request_id: str, num_tokens: int, prefix: PrefixHit | None = None) -> int:
+        """Blocks `allocate` would take out of the free pool: new ones plus free cached ones it revives."""
+        have = len(self._tables.get(request_id, ()))
+        new = max(0, -(-num_tokens // self.block_size) - have - (len(prefix.block_ids) if prefix else 0))
+        if prefix is None:
+            return new
+        ref_count = self.pool.ref_count
+        return new + sum(1 for block_id in prefix.block_ids if ref_count(block_id) == 0)
+
+    def allocate(self, request_id: str, num_tokens: int, prefix: PrefixHit | None = None) -> bool:
+        """Make the request's block table cover positions [0, num_tokens); False changes nothing at all.
+
+        `prefix` (from `find_cached_prefix`, same step) is only accepted on the request's first call; its
+        blocks become the head of the table before any new block is taken.
+        """
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        is_new = request_id not in self._tables
+        if prefix is not None:
+            self._check_prefix(request_id, is_new, num_tokens, prefix)
+        if self.num_blocks_needed(request_id, num_tokens, prefix) > self.pool.num_free_blocks:
+            return False
+        table = self._tables.setdefault(request_id, [])
+        num_new = -(-num_tokens // self.block_size) - len(table)
+        if is_new:
+            self._num_keyed[request_id] = 0
+        if prefix is not None:
+            self.pool.touch(prefix.block_ids)
+            table.extend(prefix.block_ids)
+            num_new -= len(prefix.block_ids)
+            self._num_keyed[request_id] = len(prefix.block_ids)
+            self.num_queried_tokens += prefix.num_queried_tokens
+            self.num_hit_tokens += prefix.num_tokens
+        if num_new > 0:
+            table.extend(self.pool.take_new(num_new))
+        return True
+
+    def _check_prefix(self, request_id: str, is_new: bool, num_tokens: int, prefix: PrefixHit) -> None:
+        if not is_new:
+            raise ValueError(
+                f"request {request_id!r} already has blocks; pass a prefix only on its first allocate()"
+            )
+        if num_tokens < prefix.num_tokens:
+            raise ValueError(
+                f"allocate({num_tokens} tokens) must cover the {prefix.num_tokens} cached prefix tokens"
+            )
+        if prefix.block_keys and any(
+            self.pool.key_of(b) != k for b, k in zip(prefix.block_ids, prefix.block_keys, strict=True)
+        ):
+            raise ValueError("stale PrefixHit: call find_cached_prefix() again right before allocate()")
+
+    def cache_full_blocks(
+        self, request_id: str, block_keys: Sequence[BlockKey], num_full_blocks: int
+    ) -> None:
+        """Register the keys of the request's blocks [0, num_full_blocks) not registered yet.
+
+        Call it only for blocks whose K/V has been written. If another block already holds the same key
+        (two requests computed the same content concurrently) the existing mapping stays and this
+        request's block stays unkeyed; both remain valid for their owners.
+        """
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables.get(request_id)
+        if table is None:
+            raise ValueError(f"cache_full_blocks: unknown request {request_id!r}; allocate() it first")
+        if num_full_blocks > len(table) or num_full_blocks > len(block_keys):
+            raise ValueError(
+                f"cache_full_blocks({num_full_blocks}) exceeds the request's {len(table)} blocks "
+                f"or its {len(block_keys)} block keys"
+            )
+        start = self._num_keyed[request_id]
+        for i in range(start, num_full_blocks):
+            self.pool.cache(table[i], block_keys[i])
+        self._num_keyed[request_id] = max(start, num_full_blocks)
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks, last block first, so its tail is evicted before its shared head."""
+        table = self._tables.pop(request_id, None)
+        self._num_keyed.pop(request_id, None)
+        if table:
+            self.pool.release(reversed(table))
+
+    def block_table(self, request_id: str) -> list[int]:
+        """The request's block ids in position order (the live list: read, don't mutate); [] if unknown."""
+        return self._tables.get(request_id, [])
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached key; only while no block is in use (True), otherwise nothing happens (False)."""
+        return self.pool.reset()
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_blocks - self.pool.num_free_blocks
+
+    def ref_counts(self) -> list[int]:
+        return self.pool.ref_counts()
+
+    def stats(self) -> dict[str, int | float]:
+        queries = self.num_queried_tokens
+        return {
+            "prefix_cache_queries": queries,
+            "prefix_cache_hits": self.num_hit_tokens,
+            "prefix_cache_hit_rate": self.num_hit_tokens / queries if queries else 0.0,
+            "evictions": self.pool.num_evictions,
+            "kv_blocks_total": self.num_total_blocks,
+            "kv_blocks_free": self.num_free_blocks,
+            "kv_blocks_used": self.num_used_blocks,
+        }

@@ -1,0 +1,86 @@
+"""The model's building blocks: a dtype-aware linear layer, RMSNorm and the SwiGLU MLP.
+
+Only linear layers (and the embedding table, which a tied LM head shares) may hold bf16 weights: that is
+where bf16 pays on CPUs with native bf16 GEMMs. Everything between GEMMs -- the residual stream, norms,
+softmax, the KV pool, logits -- stays fp32, so a bf16 model differs from the fp32 one only by weight
+rounding and bf16 GEMM outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    # Uninitialised on purpose: every weight is overwritten by load_weights, and random init of the
+    # vocabulary-sized matrices would cost seconds.
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """``y = x W^T + b`` with W (and b) in ``dtype``; takes and returns fp32 activations.
+
+    Fused projections (q|k|v, gate|up) are one Linear whose rows are the concatenated weights, filled
+    part by part through :meth:`load_part`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param(out_features, in_features, dtype=dtype)
+        self.bias = _param(out_features, dtype=dtype) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight
+        if w.dtype == x.dtype:
+            return F.linear(x, w, self.bias)
+        return F.linear(x.to(w.dtype), w, self.bias).to(x.dtype)
+
+    def load_part(self, name: str, offset: int, tensor: Tensor) -> None:
+        """Copy ``tensor`` into rows ``[offset, offset + len)`` of ``weight`` or ``bias`` (``name``)."""
+        target = self.weight if name == "weight" else self.bias
+        if target is None:
+            raise ValueError(f"this layer has no {name}, but the checkpoint provides one")
+        rows = tensor.shape[0]
+        if offset + rows > target.shape[0] or tensor.shape[1:] != target.shape[1:]:
+            raise ValueError(
+                f"checkpoint {name} of shape {tuple(tensor.shape)} does not fit rows "
+                f"[{offset}, {offset + rows}) of a {tuple(target.shape)} parameter: "
+                "the config does not match the weights"
+            )
+        target.data[offset : offset + rows].copy_(tensor)
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight`` in fp32 (one fused kernel: ``F.rms_norm``)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = _param(size, dtype=torch.float32)
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one GEMM."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias, dtype)
+        self.down_proj = Linear(intermediate, hidden, bias, dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,208 @@
+"""The Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3), running on the paged KV pool.
+
+A forward pass takes one flat engine step -- ``T`` tokens of many requests, decodes and prefill chunks
+mixed -- plus its :class:`AttentionMetadata` and the per-layer pools. q/k/v and gate/up are fused into one
+GEMM each (fewer, larger GEMMs are what a CPU runs fast), RoPE rotates q and k together, and logits are
+computed only for the rows the caller samples from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.attention.paged import BACKENDS, paged_attention
+from pagedkv.model.layers import Linear, RMSNorm, SwiGLU, torch_dtype
+from pagedkv.model.rope import RotaryEmbedding, apply_rope
+from pagedkv.model.spec import ModelSpec
+
+WeightLoader = Callable[[Tensor], None]
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, backend: str) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.scale = spec.head_dim**-0.5
+        self.backend = backend
+        self.eps = spec.rms_norm_eps
+        self.qkv_proj = Linear(spec.hidden_size, spec.qkv_size, spec.qkv_bias, dtype)
+        self.o_proj = Linear(spec.num_heads * spec.head_dim, spec.hidden_size, spec.o_bias, dtype)
+        # Qwen3's q_norm and k_norm, one row per head ([Hq + Hkv, D]) so both run as one normalisation.
+        self.qk_norm_weight = (
+            nn.Parameter(torch.empty(spec.num_heads + spec.num_kv_heads, spec.head_dim), requires_grad=False)
+            if spec.qk_norm
+            else None
+        )
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, kv_cache: tuple[Tensor, Tensor]
+    ) -> Tensor:
+        tokens = x.shape[0]
+        qkv = self.qkv_proj(x).view(tokens, -1, self.head_dim)
+        split = self.num_heads + self.num_kv_heads
+        qk = qkv[:, :split]
+        if self.qk_norm_weight is not None:
+            qk = nn.functional.rms_norm(qk, (self.head_dim,), eps=self.eps) * self.qk_norm_weight
+        qk = apply_rope(qk, cos, sin)
+        out = paged_attention(
+            qk[:, : self.num_heads],
+            qk[:, self.num_heads :],
+            qkv[:, split:],
+            *kv_cache,
+            meta,
+            self.scale,
+            self.backend,
+        )
+        return self.o_proj(out.view(tokens, -1))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, backend: str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = LlamaAttention(spec, dtype, backend)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = SwiGLU(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, dtype)
+
+    def forward(
+        self, h: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, kv_cache: tuple[Tensor, Tensor]
+    ) -> Tensor:
+        h += self.self_attn(self.input_layernorm(h), cos, sin, meta, kv_cache)
+        h += self.mlp(self.post_attention_layernorm(h))
+        return h
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder + LM head. ``dtype`` is the linear layers' (and embedding's) weight dtype; all else is fp32."""
+
+    def __init__(self, hf_config: Any, dtype: str = "float32", attention_backend: str = "gather") -> None:
+        super().__init__()
+        if attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
+        self.spec = spec = ModelSpec.from_hf_config(hf_config)
+        self.dtype = weight_dtype = torch_dtype(dtype)
+        self.attention_backend = attention_backend
+        self.embed_tokens = nn.Parameter(
+            torch.empty(spec.vocab_size, spec.hidden_size, dtype=weight_dtype), requires_grad=False
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(spec, weight_dtype, attention_backend) for _ in range(spec.num_layers)
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, False, weight_dtype)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.max_positions, spec.rope)
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.spec.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.spec.head_dim
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[Tensor, Tensor]],
+        logits_indices: Tensor,
+    ) -> Tensor:
+        """fp32 logits ``[len(logits_indices), vocab]`` for chosen rows of the flat step ``input_ids [T]``.
+
+        Only those rows go through the final norm and the LM head, the largest GEMM of a small model.
+        """
+        if len(kv_caches) != self.spec.num_layers:
+            raise ValueError(
+                f"need one (k_pool, v_pool) per layer: {self.spec.num_layers}, got {len(kv_caches)}"
+            )
+        h = nn.functional.embedding(input_ids, self.embed_tokens).float()
+        cos, sin = self.rotary.tables(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, meta, kv_cache)
+        return self.lm_head(self.norm(h[logits_indices])).float()
+
+    def load_weights(self, tensors: dict[str, Tensor]) -> None:
+        """Copy a checkpoint given by HF parameter names; raises on missing or unexpected weights."""
+        targets = self._weight_targets()
+        names = {n for n in tensors if not n.endswith(_IGNORED_SUFFIXES)}
+        if self.spec.tie_word_embeddings:
+            names.discard("lm_head.weight")
+        unexpected, missing = sorted(names - targets.keys()), sorted(targets.keys() - names)
+        if unexpected or missing:
+            raise ValueError(
+                f"checkpoint does not match the {self.spec.model_type} config: unexpected weights "
+                f"{unexpected[:5]}, missing weights {missing[:5]}"
+            )
+        with torch.no_grad():
+            for name in names:
+                targets[name](tensors[name])
+
+    def _weight_targets(self) -> dict[str, WeightLoader]:
+        """HF parameter name -> function that copies that tensor into its (possibly fused) place."""
+        spec = self.spec
+        targets: dict[str, WeightLoader] = {
+            "model.embed_tokens.weight": _copier(self.embed_tokens),
+            "model.norm.weight": _copier(self.norm.weight),
+        }
+        if not spec.tie_word_embeddings:
+            targets["lm_head.weight"] = _copier(self.lm_head.weight)
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        for i, layer in enumerate(self.layers):
+            prefix = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            fused = [
+                ("self_attn.q_proj", attn.qkv_proj, 0, spec.qkv_bias),
+                ("self_attn.k_proj", attn.qkv_proj, q_size, spec.qkv_bias),
+                ("self_attn.v_proj", attn.qkv_proj, q_size + kv_size, spec.qkv_bias),
+                ("self_attn.o_proj", attn.o_proj, 0, spec.o_bias),
+                ("mlp.gate_proj", mlp.gate_up_proj, 0, spec.mlp_bias),
+                ("mlp.up_proj", mlp.gate_up_proj, spec.intermediate_size, spec.mlp_bias),
+                ("mlp.down_proj", mlp.down_proj, 0, spec.mlp_bias),
+            ]
+            for name, linear, offset, has_bias in fused:
+                for kind in ("weight", "bias") if has_bias else ("weight",):
+                    targets[f"{prefix}{name}.{kind}"] = _part_copier(linear, kind, offset)
+            targets[prefix + "input_layernorm.weight"] = _copier(layer.input_layernorm.weight)
+            targets[prefix + "post_attention_layernorm.weight"] = _copier(
+                layer.post_attention_layernorm.weight
+            )
+            if spec.qk_norm:
+                norm_weight = attn.qk_norm_weight
+                targets[prefix + "self_attn.q_norm.weight"] = _copier(
+                    norm_weight[: spec.num_heads], broadcast=True
+                )
+                targets[prefix + "self_attn.k_norm.weight"] = _copier(
+                    norm_weight[spec.num_heads :], broadcast=True
+                )
+        return targets
+
+
+def _copier(param: Tensor, broadcast: bool = False) -> WeightLoader:
+    def copy(tensor: Tensor) -> None:
+        shape_ok = tensor.shape == param.shape[-tensor.dim() :] if broadcast else tensor.shape == param.shape
+        if not shape_ok:
+            raise ValueError(
+                f"checkpoint tensor of shape {tuple(tensor.shape)} does not fit a parameter of shape "
+                f"{tuple(param.shape)}: the config does not match the weights"
+            )
+        param.data.copy_(tensor)
+
+    return copy
+
+
+def _part_copier(linear: Linear, kind: str, offset: int) -> WeightLoader:
+    return lambda tensor: linear.load_part(kind, offset, tensor)

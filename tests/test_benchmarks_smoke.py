@@ -1,0 +1,50 @@
+"""The gather benchmark runs end to end in quick mode and prints a well-formed JSON summary.
+
+Only the structure is checked, never the timings: the machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+METHODS = ["loop", "indexed", "gather_kv", "slots+sel", "slots_out", "floor"]
+ELEMENT_SIZE = {"float32": 4, "bfloat16": 2}
+
+
+def test_gather_quick_json(tmp_path):
+    plot, out_json = tmp_path / "gather.png", tmp_path / "gather.json"
+    result = subprocess.run(
+        # One thread: on a shared 2-core machine a 2-thread op can stall for milliseconds per call.
+        [sys.executable, "benchmarks/gather.py", "--quick", "--json", "--threads", "1"]
+        + ["--plot", str(plot), "--out-json", str(out_json)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary == json.loads(out_json.read_text())
+    assert summary["benchmark"] == "gather" and summary["unit"] == "us" and summary["quick"] is True
+    assert summary["methods"] == METHODS
+    assert summary["threads"] == 1 and summary["block_size"] == 16
+    assert summary["rows"], "quick mode must still time something"
+    for row in summary["rows"]:
+        assert set(row["times_us"]) == set(METHODS)
+        assert all(math.isfinite(t) and t > 0 for t in row["times_us"].values())
+        assert (
+            row["bytes"]
+            == row["seq_len"] * row["num_kv_heads"] * row["head_dim"] * ELEMENT_SIZE[row["dtype"]]
+        )
+        assert math.isclose(row["loop_over_ours"], row["times_us"]["loop"] / row["times_us"]["gather_kv"])
+        assert math.isclose(row["ours_over_floor"], row["times_us"]["gather_kv"] / row["times_us"]["floor"])
+    (accepted,) = summary["acceptance"]
+    assert set(accepted) == {"num_kv_heads", "head_dim", "loop_over_ours", "ours_over_floor", "met"}
+    assert isinstance(accepted["met"], bool)
+    assert plot.stat().st_size > 1000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "loop/ours" in result.stderr  # the human table goes to stderr when stdout carries JSON

@@ -1,0 +1,329 @@
+"""The OpenAI-compatible server, live on a loopback port, driven by the `openai` client and raw httpx.
+
+References are the same engine's offline greedy outputs, computed before the server takes the engine over
+(the engine is single-threaded: once serving, only its thread may touch it).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagedkv.config import EngineConfig
+from pagedkv.engine.engine import LLMEngine
+from pagedkv.entrypoints.openai_server import build_app
+from pagedkv.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+MODEL, KEY, MAX_QUEUED, MAX_BODY, MAX_TOKENS = "smol", "test-key", 40, 64 * 1024, 8
+AUTH = {"Authorization": f"Bearer {KEY}"}
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+TEXT_PROMPTS = ["The capital of France is", "Once upon a time"]
+CONCURRENT = [f"Question {i}: name a fruit that starts with {chr(65 + i % 26)}." for i in range(32)]
+# Several full 16-token blocks, so a repeat of it hits the prefix cache.
+SYSTEM = "You are a careful assistant. Answer in one short sentence, plainly, without any preamble. " * 3
+
+
+def run_offline(engine: LLMEngine, token_lists: list[list[int]], params: SamplingParams) -> list:
+    ids = [engine.add_request(prompt_token_ids=t, params=params) for t in token_lists]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    return [done[i] for i in ids]
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return LLMEngine(EngineConfig(num_kv_blocks=512, max_model_len=512))
+
+
+@pytest.fixture(scope="module")
+def reference(engine: LLMEngine) -> dict:
+    chat_ids = engine.apply_chat_template(QUESTION)
+    text_ids = [engine.encode(p) for p in TEXT_PROMPTS]
+    concurrent_ids = [engine.apply_chat_template([{"role": "user", "content": p}]) for p in CONCURRENT]
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    outs = run_offline(engine, [chat_ids, *text_ids, *concurrent_ids], greedy)
+    return {"chat": outs[0], "chat_prompt_len": len(chat_ids), "text": [o.text for o in outs[1:3]],
+            "text_ids": text_ids, "concurrent": [o.text for o in outs[3:]]}
+
+
+@pytest.fixture(scope="module")
+def server(engine: LLMEngine, reference: dict):
+    app = build_app(engine, MODEL, api_key=KEY, max_queued_requests=MAX_QUEUED, max_body_bytes=MAX_BODY)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield app, f"http://127.0.0.1:{sock.getsockname()[1]}"
+    uv.should_exit = True
+    thread.join(30)
+    sock.close()
+    assert not app.state.async_engine.is_running
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server[1] + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def wait_idle(app, timeout_s: float = 30.0) -> dict:
+    """Wait until the engine holds no request and no block (aborts travel through the engine thread)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = app.state.async_engine.stats()
+        busy = stats["kv_blocks_used"] or stats["num_requests_running"] or stats["num_requests_waiting"]
+        if not busy and app.state.async_engine.num_in_flight == 0 or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+def metric_samples(base_url: str) -> dict[tuple[str, tuple], float]:
+    families = text_string_to_metric_families(httpx.get(base_url + "/metrics").text)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+
+
+def aborts(base_url: str) -> float:
+    return metric_samples(base_url).get(("pagedkv:requests_total", (("finish_reason", "abort"),)), 0.0)
+
+
+def test_health_and_models(server, client):
+    assert httpx.get(server[1] + "/health").status_code == 200
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_matches_offline_greedy(client, reference):
+    resp = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=MAX_TOKENS,
+                                          temperature=0)
+    ref = reference["chat"]
+    assert resp.choices[0].message.content == ref.text
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].finish_reason == ref.finish_reason
+    assert resp.usage.prompt_tokens == reference["chat_prompt_len"]
+    assert resp.usage.completion_tokens == len(ref.token_ids)
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_chat_stream_matches_offline_greedy(client, reference):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_completion_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference["chat"].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reference["chat"].finish_reason
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == len(reference["chat"].token_ids)
+    assert chunks[-1].usage.prompt_tokens == reference["chat_prompt_len"]
+
+
+def test_completions_text_and_token_prompts(client, reference):
+    resp = client.completions.create(model=MODEL, prompt=TEXT_PROMPTS, max_tokens=MAX_TOKENS, temperature=0)
+    assert [c.index for c in resp.choices] == [0, 1]
+    assert [c.text for c in resp.choices] == reference["text"]
+    assert resp.usage.prompt_tokens == sum(len(t) for t in reference["text_ids"])
+    by_ids = client.completions.create(model=MODEL, prompt=reference["text_ids"][0], max_tokens=MAX_TOKENS,
+                                       temperature=0)
+    assert by_ids.choices[0].text == reference["text"][0]
+
+
+def test_completions_stream_raw_sse(server, reference):
+    body = {"model": MODEL, "prompt": TEXT_PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0}
+    body["stream"] = True
+    with httpx.stream("POST", server[1] + "/v1/completions", json=body, headers=AUTH) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in resp.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == reference["text"][1]
+    assert chunks[-1]["choices"][0]["finish_reason"] is not None
+
+
+def test_32_concurrent_streams_are_correct_and_free_every_block(server, reference):
+    app, base_url = server
+
+    def run(prompt: str) -> str:
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=MAX_TOKENS, temperature=0, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        assert list(pool.map(run, CONCURRENT)) == reference["concurrent"]
+    assert wait_idle(app)["kv_blocks_used"] == 0
+    assert app.state.async_engine.engine.kv.num_used_blocks == 0
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
+    app, base_url = server
+    before = aborts(base_url)
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, headers=AUTH) as resp:
+        lines = resp.iter_lines()
+        assert any(next(lines).startswith("data: {") for _ in range(4))
+    stats = wait_idle(app)
+    assert stats["kv_blocks_used"] == 0 and stats["num_requests_running"] == 0
+    assert aborts(base_url) == before + 1
+
+
+def test_disconnect_while_waiting_for_a_whole_response_aborts(server):
+    app, base_url = server
+    before = aborts(base_url)
+    body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base_url + "/v1/completions", json=body, headers=AUTH, timeout=1.0)
+    assert wait_idle(app)["kv_blocks_used"] == 0
+    assert aborts(base_url) == before + 1
+
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+ERROR_CASES = [  # (path, body, status, param)
+    (CHAT, {"model": MODEL, "messages": QUESTION, "temperature": -1}, 400, "temperature"),
+    (CHAT, {"model": MODEL, "messages": QUESTION, "temperature": "hot"}, 400, "temperature"),
+    (CHAT, {"model": MODEL, "messages": QUESTION, "top_p": 0}, 400, "top_p"),
+    (CHAT, {"model": MODEL, "messages": QUESTION, "n": 0}, 400, "n"),
+    (CHAT, {"model": MODEL, "messages": QUESTION, "max_tokens": 0}, 400, "max_tokens"),
+    (CHAT, {"model": MODEL, "messages": QUESTION, "logprobs": True, "top_logprobs": 99}, 400, "top_logprobs"),
+    (CHAT, {"model": MODEL, "messages": QUESTION, "presence_penalty": 3}, 400, "presence_penalty"),
+    (CHAT, {"model": MODEL, "messages": QUESTION, "tools": [{"type": "function"}]}, 400, "tools"),
+    (CHAT, {"model": MODEL}, 400, "messages"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages"),
+    (COMPLETIONS, {"model": MODEL, "prompt": []}, 400, "prompt"),
+    (COMPLETIONS, {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "cache_salt": ""}, 400, "cache_salt"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "logprobs": 50}, 400, "logprobs"),
+    (COMPLETIONS, {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+    (COMPLETIONS, {"model": MODEL, "prompt": ["hi"] * (MAX_QUEUED + 1), "max_tokens": 1}, 503, None),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), ERROR_CASES)
+def test_errors_are_openai_shaped_and_the_server_keeps_serving(server, client, path, body, status, param):
+    resp = httpx.post(server[1] + path, json=body, headers=AUTH)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    ok = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_auth_body_size_and_bad_json_errors(server, client):
+    url = server[1] + COMPLETIONS
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        resp = httpx.post(url, json={"model": MODEL, "prompt": "hi"}, headers=headers)
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server[1] + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(server[1] + "/metrics").status_code == 200  # health and metrics need no key
+    big = httpx.post(url, json={"model": MODEL, "prompt": "x" * (MAX_BODY + 1)}, headers=AUTH)
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    chunked = httpx.post(url, content=iter([b'{"prompt": "', b"x" * MAX_BODY, b'"}']), headers=AUTH)
+    assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "request_too_large"
+    bad = httpx.post(url, content=b'{"prompt": ', headers=AUTH | {"Content-Type": "application/json"})
+    assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
+    assert httpx.get(server[1] + "/v1/nothing-here", headers=AUTH).status_code == 404
+    ok = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_cache_salt_isolates_prefix_cache(client):
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a planet."}]
+
+    def cached(salt: str) -> int:
+        resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                              extra_body={"cache_salt": salt})
+        return resp.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") > 0
+    assert cached("tenant-b") == 0
+
+
+def test_metrics_parse_and_prefix_cache_counters_move(server, client):
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a colour."}]
+    client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    before = metric_samples(server[1])
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    after = metric_samples(server[1])
+
+    def delta(name: str, labels: tuple = ()) -> float:
+        return after[("pagedkv:" + name, labels)] - before.get(("pagedkv:" + name, labels), 0.0)
+
+    cached = resp.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and delta("prefix_cache_hits_total") == cached
+    assert delta("prefix_cache_queries_total") >= resp.usage.prompt_tokens
+    assert delta("prompt_tokens_total") == resp.usage.prompt_tokens
+    assert delta("generation_tokens_total") == resp.usage.completion_tokens
+    assert delta("time_to_first_token_seconds_count") == 1
+    assert delta("requests_total", (("finish_reason", resp.choices[0].finish_reason),)) == 1
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_blocks_used"):
+        assert ("pagedkv:" + gauge, ()) in after
+    assert after[("pagedkv:inter_token_latency_seconds_count", ())] > 0
+
+
+def test_logprobs_and_n(client):
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(t.logprob <= 0 and t.top_logprobs for t in content)
+    assert content[0].logprob == pytest.approx(max(t.logprob for t in content[0].top_logprobs))
+    comp = client.completions.create(model=MODEL, prompt=TEXT_PROMPTS[0], max_tokens=4, temperature=0,
+                                     logprobs=1)
+    assert len(comp.choices[0].logprobs.token_logprobs) == comp.usage.completion_tokens
+    many = client.completions.create(model=MODEL, prompt=TEXT_PROMPTS, max_tokens=3, n=2, seed=7)
+    assert sorted(c.index for c in many.choices) == [0, 1, 2, 3]
+    assert 4 <= many.usage.completion_tokens <= 12
+
+
+def test_cli_serve_exits_0_on_sigterm_mid_stream():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "pagedkv.entrypoints.cli", "serve", "--port", str(port),
+           "--num-kv-blocks", "64", "--max-model-len", "512", "--threads", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(base_url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        body = {"messages": QUESTION, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=60) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: {")
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert proc.wait(60) == 0, proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
