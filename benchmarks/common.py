@@ -34,6 +34,15 @@ def time_interleaved(
     fns: dict[str, Callable[[], object]], warmup: int = 5, repeats: int = 50
 ) -> dict[str, float]:
     """Median microseconds per call of each ``fns`` entry, timed round-robin, one call per sample."""
+    return {
+        name: statistics.median(values) for name, values in sample_interleaved(fns, warmup, repeats).items()
+    }
+
+
+def sample_interleaved(
+    fns: dict[str, Callable[[], object]], warmup: int = 5, repeats: int = 50
+) -> dict[str, list[float]]:
+    """Every sample (microseconds, one call each) of each ``fns`` entry, taken round-robin after warmup."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     for fn in fns.values():
@@ -44,8 +53,8 @@ def time_interleaved(
         for name, fn in fns.items():
             start = time.perf_counter()
             fn()
-            samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) * 1e6 for name, values in samples.items()}
+            samples[name].append((time.perf_counter() - start) * 1e6)
+    return samples
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]], markdown: bool = False) -> str:

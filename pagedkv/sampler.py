@@ -23,8 +23,7 @@ import torch
 from pagedkv.sampling import SAMPLING_EPS, SamplingParams
 
 _NEG_INF = float("-inf")
-# Candidate counts apply_top_p tries before a full sort (see there).
-_TOP_P_CANDIDATES = (64, 1024)
+_TOP_P_CANDIDATES = (64, 1024)  # candidate counts apply_top_p tries before a full sort
 
 
 @dataclass(slots=True)
@@ -47,11 +46,7 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     It must live on the device of the logits; create it once per request and keep it for the request's
     lifetime, since its state is what makes the request's later draws reproducible.
     """
-    if seed is None:
-        return None
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
+    return None if seed is None else torch.Generator(device=device).manual_seed(seed)
 
 
 def _flat_keys(rows: list[int], seqs: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -61,12 +56,8 @@ def _flat_keys(rows: list[int], seqs: list[Sequence[int]], vocab: int, device: t
     return torch.repeat_interleave(torch.tensor(rows, device=device) * vocab, lengths) + tokens
 
 
-def apply_penalties(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    prompts: list[Sequence[int]],
-    outputs: list[Sequence[int]],
-) -> None:
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompts: list[Sequence[int]],
+                    outputs: list[Sequence[int]]) -> None:
     """In place on a contiguous [S, V] block, with vLLM's semantics: repetition divides positive and
     multiplies negative logits of tokens seen in prompt or output; frequency subtracts once per output
     occurrence, presence once per distinct output token. Rows whose params have no penalty are untouched.
@@ -87,9 +78,8 @@ def apply_penalties(
         flat[keys] = torch.where(values > 0, values / rep, values * rep)
     add_rows = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
     if add_rows:
-        keys, counts = _flat_keys(add_rows, [outputs[i] for i in add_rows], vocab, device).unique(
-            return_counts=True
-        )
+        keys = _flat_keys(add_rows, [outputs[i] for i in add_rows], vocab, device)
+        keys, counts = keys.unique(return_counts=True)
         rows = keys // vocab
         freq = torch.tensor([p.frequency_penalty for p in params], device=device)[rows]
         pres = torch.tensor([p.presence_penalty for p in params], device=device)[rows]
@@ -127,7 +117,7 @@ class Sampler:
         ):
             return SamplerOutput(logits.argmax(dim=-1).tolist())
 
-        work = logits.to(torch.float32, copy=True)
+        work = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         if any(p.has_penalties for p in params):
             apply_penalties(work, params, prompt_token_ids, output_token_ids)
         self._mask_stop_ids(work, params, output_token_ids)
@@ -159,6 +149,7 @@ class Sampler:
         for i, (p, out) in enumerate(zip(params, outputs, strict=True)):
             if len(out) < p.min_tokens:
                 stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+                stop_ids = {t for t in stop_ids if t < logits.shape[1]}  # others can never be drawn
                 rows += [i] * len(stop_ids)
                 cols += stop_ids
         if rows:

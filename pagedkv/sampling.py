@@ -9,7 +9,7 @@ that consumes these lives in `pagedkv.sampler`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows to inf/nan, and the
 # distribution is a point mass on the argmax for all practical purposes anyway (vLLM uses the same cut).
@@ -59,7 +59,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = field(default=None)
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
@@ -75,8 +75,8 @@ class SamplingParams:
                 f"logprobs must be None or an int in [0, {MAX_LOGPROBS}] (0 = only the sampled token), "
                 f"got {self.logprobs!r}"
             )
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be None or an int, got {self.seed!r}")
+        if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed < 2**64):
+            raise ValueError(f"seed must be None or an int in [-2**63, 2**64) (torch's), got {self.seed!r}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -35,7 +35,8 @@ def test_gather_quick_json(tmp_path):
     assert summary["threads"] == 1 and summary["block_size"] == 16
     assert summary["rows"], "quick mode must still time something"
     for row in summary["rows"]:
-        assert set(row["times_us"]) == set(METHODS)
+        assert set(row["times_us"]) == set(row["min_us"]) == set(METHODS)
+        assert all(row["min_us"][m] <= row["times_us"][m] for m in METHODS)
         assert all(math.isfinite(t) and t > 0 for t in row["times_us"].values())
         assert (
             row["bytes"]

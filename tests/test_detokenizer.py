@@ -116,14 +116,16 @@ def test_sentencepiece_style_output_decodes_in_prompt_context():
 
 @settings(max_examples=100, deadline=None)
 @given(data=st.data())
-def test_random_token_ids_match_full_decode(data):
+def test_random_token_ids_match_full_decode(tok, data):
     """Random ids make invalid UTF-8 too: U+FFFD inside the text must still come out like decode()."""
-    vocab = LOCAL.hf.get_vocab_size()
-    ids = data.draw(st.lists(st.integers(0, vocab - 1), max_size=30))
-    prompt = data.draw(st.lists(st.integers(0, vocab - 1), max_size=6))
+    vocab = len(tok.hf) if hasattr(tok.hf, "__len__") else tok.hf.get_vocab_size()
+    # Mostly low ids: in both vocabularies they are single bytes, so characters get split a lot.
+    token = st.one_of(st.integers(0, min(vocab, 300) - 1), st.integers(0, vocab - 1))
+    ids = data.draw(st.lists(token, max_size=30))
+    prompt = data.draw(st.lists(token, max_size=6))
     skip = data.draw(st.booleans())
-    deltas, _ = stream(LOCAL, prompt, ids, skip_special_tokens=skip)
-    assert "".join(deltas) == LOCAL.decode(ids, skip_special_tokens=skip)
+    deltas, _ = stream(tok, prompt, ids, skip_special_tokens=skip)
+    assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip)
 
 
 STORY = "The answer is 42.\nEND of story"

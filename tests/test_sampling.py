@@ -41,6 +41,7 @@ def sample(logits, params, prompts=None, outputs=None, generators=None, eos=()):
         ({"min_p": -0.01}, "min_p"),
         ({"min_p": 1.5}, "min_p"),
         ({"seed": 1.0}, "seed"),
+        ({"seed": 2**64}, "seed"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": -2.01}, "frequency_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
@@ -99,7 +100,7 @@ def chi_square(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
-@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+@pytest.mark.parametrize("temperature", [0.05, 0.5, 1.0, 2.0, 10.0])
 def test_empirical_distribution_matches_softmax(temperature):
     logits = torch.tensor([1.0, 0.5, -0.5, 0.0])
     draws = 20_000
@@ -205,6 +206,9 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     ]
     outputs = [[1], [1, 2], [1, 2, 4], [1]]
     assert sample(logits, params, outputs=outputs, eos=(3,)).token_ids == [7, 7, 3, 3]
+    # Column-major logits and stop ids beyond the vocabulary are fine too.
+    params = [SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[5, 99], repetition_penalty=1.5)] * 4
+    assert sample(logits.t().contiguous().t(), params, outputs=outputs, eos=(3,)).token_ids == [7, 3, 3, 7]
 
 
 def test_seeded_request_is_independent_of_its_batch_neighbours():

@@ -20,9 +20,9 @@ import os
 import platform
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -68,8 +68,14 @@ def _cpu_flags() -> str:
 def build_directory() -> Path:
     """Where this source, built with these flags for this torch, Python and CPU, lives."""
     key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), " ".join(_CFLAGS + _LDFLAGS).encode(), torch.__version__.encode(),
-                 sys.version.encode(), platform.machine().encode(), _cpu_flags().encode()):
+    for part in (
+        _SOURCE.read_bytes(),
+        " ".join(_CFLAGS + _LDFLAGS).encode(),
+        torch.__version__.encode(),
+        sys.version.encode(),
+        platform.machine().encode(),
+        _cpu_flags().encode(),
+    ):
         key.update(part)
         key.update(b"\0")
     return cache_dir() / "torch_extensions" / key.hexdigest()[:16]
@@ -116,7 +122,9 @@ def kernel_available() -> bool:
             _state.tried = True
             try:
                 _state.op = _build()
-            except Exception as exc:  # any build failure (no compiler, no ninja, compile error) means fallback
+            except (
+                Exception
+            ) as exc:  # any build failure (no compiler, no ninja, compile error) means fallback
                 _state.error = _summary(exc)
                 logger.debug("C++ decode kernel build failed", exc_info=True)
                 logger.warning(

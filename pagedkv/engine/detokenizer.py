@@ -99,7 +99,8 @@ class IncrementalDetokenizer:
     instead of using the returned deltas. It ends before the matched stop string, or after it with
     include_stop_str_in_output. stop_reason: the stop string that matched, else None; once set, the
     request should finish with finish_reason "stop", output_text is final, and add_token returns "".
-    Stop strings are searched only once more than `min_tokens` tokens exist, as in vLLM.
+    num_tokens: output tokens added so far (a stop_token included). Stop strings are searched only once
+    more than `min_tokens` tokens exist, as in vLLM.
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:

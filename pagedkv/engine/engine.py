@@ -96,7 +96,7 @@ class LLMEngine:
                     num_prompt_tokens=len(token_ids),
                     params=params,
                     cache_salt=cache_salt,
-                    generator=make_generator(None if params.seed is None else params.seed + index),
+                    generator=make_generator(None if params.seed is None else (params.seed + index) % 2**64),
                     detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params),
                 )
             )

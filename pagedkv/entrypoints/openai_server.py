@@ -55,9 +55,8 @@ class RequestGate:
     that hides client disconnects from streaming responses, and those must abort their requests.
     """
 
-    def __init__(
-        self, app: ASGIApp, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics
-    ) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int,
+                 metrics: ServerMetrics) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.max_body_bytes = max_body_bytes
@@ -72,11 +71,8 @@ class RequestGate:
         if self.expected and scope["path"].startswith("/v1"):
             given = headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, self.expected):
-                error = APIError(
-                    401,
-                    "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                    code="invalid_api_key",
-                )
+                error = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                                 code="invalid_api_key")
         length = headers.get("content-length", "")
         if error is None and length.isdigit() and int(length) > self.max_body_bytes:
             error = self._too_large()
@@ -87,9 +83,8 @@ class RequestGate:
         await self.app(scope, self._limited(receive), send)
 
     def _too_large(self) -> APIError:
-        return APIError(
-            413, f"the request body is larger than {self.max_body_bytes} bytes", code="request_too_large"
-        )
+        return APIError(413, f"the request body is larger than {self.max_body_bytes} bytes",
+                        code="request_too_large")
 
     def _limited(self, receive: Receive) -> Receive:
         """Counts streamed (chunked) bodies that carry no Content-Length."""
@@ -118,7 +113,7 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     def respond(error: APIError) -> JSONResponse:
-        if error.status != 499:
+        if error.status != 499:  # the client left: nothing was refused
             metrics.rejected.labels(status=str(error.status)).inc()
         return error_response(error)
 
@@ -165,8 +160,6 @@ def build_app(
 
     app = FastAPI(title="pagedkv", lifespan=lifespan)
     app.state.async_engine = async_engine
-    app.state.metrics = metrics
-    app.state.model_name = model_name
     app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
     _add_error_handlers(app, metrics)
 
@@ -196,9 +189,12 @@ def build_app(
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, but on shutdown the app's requests end first: uvicorn closes the listening socket, then
-    waits for open connections, and a stream still generating would only end when that wait timed out and
-    uvicorn cancelled it. Draining first lets short requests finish and ends the rest with an error event."""
+    """uvicorn, but on shutdown the app's requests end before uvicorn waits for open connections.
+
+    Plain uvicorn would wait for a stream that is still generating until its graceful-shutdown timeout,
+    then cancel it mid-response. Draining first (new requests get 503 meanwhile) lets short requests
+    finish and ends the rest cleanly with an error event and ``[DONE]``.
+    """
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         await self.config.app.state.async_engine.shutdown(drain_s=GRACEFUL_SHUTDOWN_S)

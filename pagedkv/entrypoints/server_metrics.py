@@ -82,7 +82,7 @@ class ServerMetrics:
         )
         self.rejected = Counter(
             PREFIX + "requests_rejected",
-            "Requests refused before reaching the engine, by HTTP status",
+            "Requests answered with an error, by HTTP status",
             ["status"],
             registry=self.registry,
         )

@@ -22,6 +22,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -33,7 +34,7 @@ typedef uint32_t Word8 __attribute__((vector_size(32)));
 typedef uint16_t Half8 __attribute__((vector_size(16)));
 constexpr int64_t kLanes = 8;
 constexpr int64_t kRegs = 8;             // vectors of q or of the accumulator held in registers at once
-constexpr int64_t kTile = 32;            // tokens per softmax update (a tile never crosses a block)
+constexpr int64_t kTile = 64;            // tokens per softmax update
 constexpr int64_t kMinPartition = 256;   // shorter partitions cost more to merge than they gain
 constexpr int64_t kItemsPerThread = 8;   // enough items per thread for the dynamic schedule to balance
 
@@ -111,18 +112,22 @@ struct Item {
   int64_t request, begin, end, slot;  // slot: where a partition's partial result goes, -1 if unsplit
 };
 
-// One worker's state for one item: scaled queries, then per query head accumulator, max and sum.
+// One worker's state for one item: scaled queries, per query head accumulator, max and sum, and per tile
+// the pool offsets of its tokens (this tile's and the next one's), its K/V rows and scores.
 struct Scratch {
-  std::vector<float> q, acc, m, l, scores;
+  std::vector<float> q, acc, m, l, scores, k_buf, v_buf;
+  std::vector<int64_t> offsets, next_offsets;
+  std::vector<const float*> k_rows, v_rows;
   std::vector<Vec> partial;
-  Scratch(int64_t heads, int64_t dim)
-      : q(heads * dim), acc(heads * dim), m(heads), l(heads), scores(kTile), partial(kTile) {}
+  Scratch(int64_t heads, int64_t dim, bool convert)
+      : q(heads * dim), acc(heads * dim), m(heads), l(heads), scores(kTile),
+        k_buf(convert ? kTile * dim : 0), v_buf(convert ? kTile * dim : 0), offsets(kTile), next_offsets(kTile),
+        k_rows(kTile), v_rows(kTile), partial(kTile) {}
 };
 
-// scores[i] = q . k[i * row + (0, dim)] for i < n. The query stays in registers, kRegs vectors at a time,
-// and each token's partial sums stay a vector until one shared transpose-add at the end.
-template <typename T>
-void qk_scores(float* scores, Vec* partial, const float* q, const T* k, int64_t n, int64_t row, int64_t dim) {
+// scores[i] = q . k[i][0, dim) for i < n. The query stays in registers, kRegs vectors at a time, and each
+// token's partial sums stay a vector until one shared transpose-add at the end.
+void qk_scores(float* scores, Vec* partial, const float* q, const float* const* k, int64_t n, int64_t dim) {
   const int64_t vec_end = dim / kLanes * kLanes;
   std::fill(partial, partial + (n + kLanes - 1) / kLanes * kLanes, Vec{});
   for (int64_t c0 = 0; c0 < vec_end; c0 += kRegs * kLanes) {
@@ -130,7 +135,7 @@ void qk_scores(float* scores, Vec* partial, const float* q, const T* k, int64_t 
     Vec qv[kRegs];
     for (int64_t c = 0; c < width; c += kLanes) qv[c / kLanes] = load(q + c0 + c);
     for (int64_t i = 0; i < n; ++i) {
-      const T* k_row = k + i * row + c0;
+      const float* k_row = k[i] + c0;
       Vec a = {}, b = {};
       int64_t c = 0;
       for (; c + 2 * kLanes <= width; c += 2 * kLanes) {
@@ -143,34 +148,38 @@ void qk_scores(float* scores, Vec* partial, const float* q, const T* k, int64_t 
   }
   for (int64_t i = 0; i < n; i += kLanes) store(scores + i, hsum8(partial + i));
   for (int64_t d = vec_end; d < dim; ++d)
-    for (int64_t i = 0; i < n; ++i) scores[i] += q[d] * to_float(k[i * row + d]);
+    for (int64_t i = 0; i < n; ++i) scores[i] += q[d] * k[i][d];
 }
 
-// acc[0, dim) += sum_i p[i] * v[i * row + (0, dim)], kRegs accumulator vectors in registers at a time.
-template <typename T>
-void accumulate(float* acc, const float* p, const T* v, int64_t n, int64_t row, int64_t dim) {
+// acc[0, dim) += sum_i p[i] * v[i][0, dim), kRegs accumulator vectors in registers at a time.
+void accumulate(float* acc, const float* p, const float* const* v, int64_t n, int64_t dim) {
   const int64_t vec_end = dim / kLanes * kLanes;
   for (int64_t c0 = 0; c0 < vec_end; c0 += kRegs * kLanes) {
     const int64_t width = std::min(kRegs * kLanes, vec_end - c0);
     Vec a[kRegs];
     for (int64_t c = 0; c < width; c += kLanes) a[c / kLanes] = load(acc + c0 + c);
     for (int64_t i = 0; i < n; ++i) {
-      const T* v_row = v + i * row + c0;
       const Vec pi = splat(p[i]);
-      for (int64_t c = 0; c < width; c += kLanes) a[c / kLanes] += pi * load(v_row + c);
+      for (int64_t c = 0; c < width; c += kLanes) a[c / kLanes] += pi * load(v[i] + c0 + c);
     }
     for (int64_t c = 0; c < width; c += kLanes) store(acc + c0 + c, a[c / kLanes]);
   }
   for (int64_t d = vec_end; d < dim; ++d)
-    for (int64_t i = 0; i < n; ++i) acc[d] += p[i] * to_float(v[i * row + d]);
+    for (int64_t i = 0; i < n; ++i) acc[d] += p[i] * v[i][d];
 }
 
 // Fold tile scores s[0, n) into one query head's online softmax: s becomes p = exp(s - m_new), the sum and
 // accumulator are rescaled when the max grows. Lanes [n, next multiple of 8) of s are scratch.
 inline void softmax_update(float* s, int64_t n, float& m, float& l, float* acc, int64_t dim) {
-  float m_new = m;
-  for (int64_t i = 0; i < n; ++i) m_new = std::max(m_new, s[i]);
   const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
+  std::fill(s + n, s + padded, -std::numeric_limits<float>::infinity());
+  Vec max = splat(m);
+  for (int64_t i = 0; i < padded; i += kLanes) {
+    const Vec x = load(s + i);
+    max = x > max ? x : max;
+  }
+  float m_new = max[0];
+  for (int j = 1; j < kLanes; ++j) m_new = std::max(m_new, max[j]);
   for (int64_t i = 0; i < padded; i += kLanes) store(s + i, exp_nonpositive(load(s + i) - m_new));
   std::fill(s + n, s + padded, 0.0f);
   Vec sum = {};
@@ -184,8 +193,27 @@ inline void softmax_update(float* s, int64_t n, float& m, float& l, float* acc, 
   l += hsum(sum);
 }
 
+// Point at one KV head's rows of a tile: in place for fp32 pools; bf16 rows are widened once into a buffer
+// here rather than once per query head of the group.
+inline void tile_rows(const float* pool, const int64_t* offsets, int64_t n, int64_t, float*, const float** rows) {
+  for (int64_t i = 0; i < n; ++i) rows[i] = pool + offsets[i];
+}
+
+inline void tile_rows(const at::BFloat16* pool, const int64_t* offsets, int64_t n, int64_t dim, float* buf,
+                      const float** rows) {
+  for (int64_t i = 0; i < n; ++i) {
+    const at::BFloat16* src = pool + offsets[i];
+    float* dst = buf + i * dim;
+    int64_t d = 0;
+    for (; d + kLanes <= dim; d += kLanes) store(dst + d, load(src + d));
+    for (; d < dim; ++d) dst[d] = to_float(src[d]);
+    rows[i] = dst;
+  }
+}
+
 // Attend all query heads of item.request over tokens [item.begin, item.end), leaving the unnormalised
-// accumulators, maxima and sums in `s`. kDim > 0 fixes the head dim at compile time.
+// accumulators, maxima and sums in `s`. kDim > 0 fixes the head dim at compile time. A tile spans blocks
+// (up to kTile tokens), so the per-tile softmax work is amortised over more tokens than one block holds.
 template <typename T, int kDim>
 void attend(const Problem<T>& pr, const Item& item, Scratch& s) {
   const int64_t dim = kDim > 0 ? kDim : pr.dim, bs = pr.block_size;
@@ -196,25 +224,38 @@ void attend(const Problem<T>& pr, const Item& item, Scratch& s) {
   std::fill(s.m.begin(), s.m.end(), -std::numeric_limits<float>::infinity());
   std::fill(s.l.begin(), s.l.end(), 0.0f);
   const int64_t* table = pr.tables + item.request * pr.max_blocks;
-  for (int64_t t = item.begin; t < item.end;) {
-    const int64_t block = t / bs, n = std::min({kTile, bs - t % bs, item.end - t});
-    if (t + n == (block + 1) * bs && t + n < item.end) {
-      const int64_t first = table[block + 1] * bs * row, count = std::min(bs, item.end - t - n) * row;
-      for (int64_t e = 0; e < count; e += 64 / sizeof(T)) {
-        __builtin_prefetch(pr.k + first + e);
-        __builtin_prefetch(pr.v + first + e);
-      }
+  const auto tile_offsets = [&](int64_t t, int64_t* out) {
+    const int64_t n = std::min(kTile, item.end - t);
+    int64_t block = t / bs, offset = t % bs;
+    for (int64_t i = 0; i < n; ++i) {
+      out[i] = (table[block] * bs + offset) * row;
+      if (++offset == bs) offset = 0, ++block;
     }
-    const int64_t first = (table[block] * bs + t % bs) * row;
+    return n;
+  };
+  int64_t n = tile_offsets(item.begin, s.offsets.data());
+  for (int64_t t = item.begin; t < item.end;) {
+    const int64_t n_next = t + n < item.end ? tile_offsets(t + n, s.next_offsets.data()) : 0;
     for (int64_t h = 0; h < pr.kv_heads; ++h) {
+      // While this head's rows are used, ask for the next tile's: its blocks are scattered, so the hardware
+      // prefetcher cannot guess them, but the block table can.
+      for (int64_t i = 0; i < n_next; ++i)
+        for (int64_t d = 0; d < dim; d += 64 / sizeof(T)) {
+          __builtin_prefetch(pr.k + s.next_offsets[i] + h * dim + d);
+          __builtin_prefetch(pr.v + s.next_offsets[i] + h * dim + d);
+        }
+      tile_rows(pr.k + h * dim, s.offsets.data(), n, dim, s.k_buf.data(), s.k_rows.data());
+      tile_rows(pr.v + h * dim, s.offsets.data(), n, dim, s.v_buf.data(), s.v_rows.data());
       for (int64_t head = h * pr.group; head < (h + 1) * pr.group; ++head) {
         float* acc = s.acc.data() + head * dim;
-        qk_scores(s.scores.data(), s.partial.data(), s.q.data() + head * dim, pr.k + first + h * dim, n, row, dim);
+        qk_scores(s.scores.data(), s.partial.data(), s.q.data() + head * dim, s.k_rows.data(), n, dim);
         softmax_update(s.scores.data(), n, s.m[head], s.l[head], acc, dim);
-        accumulate(acc, s.scores.data(), pr.v + first + h * dim, n, row, dim);
+        accumulate(acc, s.scores.data(), s.v_rows.data(), n, dim);
       }
     }
+    std::swap(s.offsets, s.next_offsets);
     t += n;
+    n = n_next;
   }
 }
 
@@ -246,7 +287,7 @@ void run(const Problem<T>& pr, int64_t partition, float* out) {
   std::atomic<int64_t> next{0};
   const auto num_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, std::min<int64_t>(std::max(at::get_num_threads(), 1), num_items), 1, [&](int64_t, int64_t) {
-    Scratch s(heads, dim);
+    Scratch s(heads, dim, !std::is_same_v<T, float>);
     for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
       const Item& it = items[i];
       attend<T, kDim>(pr, it, s);
