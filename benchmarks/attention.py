@@ -225,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table_text(rows, markdown=args.markdown), file=text_out)
     for a in summary["acceptance"]:
         print(
-            f"fp32 {a['num_kv_heads']}/{a['num_q_heads']}x{a['head_dim']}, batch {ACCEPT_BATCH} x {ACCEPT_CONTEXT}: "
+            f"fp32 {a['num_kv_heads']}/{a['num_q_heads']}x{a['head_dim']}, "
+            f"batch {ACCEPT_BATCH} x {ACCEPT_CONTEXT}: "
             f"gather/kernel {a['gather_over_kernel']:.2f}x (target >= {ACCEPT_SPEEDUP}), kernel/floor "
             f"{a['kernel_over_floor']:.2f}x (target <= {ACCEPT_VS_FLOOR}); worst gather/kernel at "
             f"{PARITY_CONTEXT}: {a['worst_gather_over_kernel_at_1024']:.2f}x (target >= 1): "

@@ -1,14 +1,16 @@
 """Small helpers shared by the benchmark scripts: threads, timing, tables, JSON and plots.
 
 Timing is meant for a noisy, shared 2-core machine: every candidate is warmed up, the candidates of one
-configuration are timed round-robin (so a burst of outside load hits all of them alike), and the median
-of many repeats is reported. Compare numbers within one run only.
+configuration are timed in rounds, one call each in a shuffled order (so a burst of outside load, or the
+after-effects of a multi-threaded op, hit all of them alike), and the median of many rounds is reported.
+Compare numbers within one run only.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -25,35 +27,51 @@ def setup_threads(num_threads: int = DEFAULT_THREADS) -> None:
     torch.set_num_threads(num_threads)
 
 
-def time_us(fn: Callable[[], object], warmup: int = 5, repeats: int = 50) -> float:
-    """Median wall time of one ``fn()`` call in microseconds."""
-    return time_interleaved({"fn": fn}, warmup=warmup, repeats=repeats)["fn"]
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+def time_us(fn: Callable[[], object], warmup: int = 5, repeats: int = 50, clock: str = "wall") -> float:
+    """Median time of one ``fn()`` call in microseconds."""
+    return time_interleaved({"fn": fn}, warmup=warmup, repeats=repeats, clock=clock)["fn"]
 
 
 def time_interleaved(
-    fns: dict[str, Callable[[], object]], warmup: int = 5, repeats: int = 50
+    fns: dict[str, Callable[[], object]], warmup: int = 5, repeats: int = 50, clock: str = "wall"
 ) -> dict[str, float]:
-    """Median microseconds per call of each ``fns`` entry, timed round-robin, one call per sample."""
-    return {
-        name: statistics.median(values) for name, values in sample_interleaved(fns, warmup, repeats).items()
-    }
+    """Median microseconds per call of each ``fns`` entry (see ``sample_interleaved``)."""
+    samples = sample_interleaved(fns, warmup, repeats, clock)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def sample_interleaved(
-    fns: dict[str, Callable[[], object]], warmup: int = 5, repeats: int = 50
+    fns: dict[str, Callable[[], object]], warmup: int = 5, repeats: int = 50, clock: str = "wall"
 ) -> dict[str, list[float]]:
-    """Every sample (microseconds, one call each) of each ``fns`` entry, taken round-robin after warmup."""
+    """Every sample (microseconds, one call each) of each ``fns`` entry, taken in shuffled rounds.
+
+    ``clock="cpu"`` reads the calling thread's CPU time: time spent descheduled by outside load does
+    not count, which makes single-threaded runs on a busy machine comparable. It misses the work of
+    other threads, so it is refused unless torch runs one intra-op thread.
+    """
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {clock!r}")
+    if clock == "cpu" and torch.get_num_threads() != 1:
+        raise ValueError(
+            "clock='cpu' counts only the calling thread: run with one intra-op thread (--threads 1)"
+        )
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    now = CLOCKS[clock]
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
+    order, rng = list(fns), random.Random(0)
     for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            samples[name].append((time.perf_counter() - start) * 1e6)
+        rng.shuffle(order)  # a fixed order would charge one candidate for its predecessor's after-effects
+        for name in order:
+            start = now()
+            fns[name]()
+            samples[name].append((now() - start) * 1e6)
     return samples
 
 
@@ -129,9 +147,15 @@ def plot_lines(
 
 
 def add_output_args(parser: argparse.ArgumentParser, default_plot: str) -> None:
-    """The flags every benchmark script shares: --quick, --json, --out-json, --plot, --threads."""
+    """The flags every benchmark script shares: --quick, --json, --out-json, --plot, --threads, --clock."""
     parser.add_argument("--quick", action="store_true", help="a reduced set that finishes in seconds")
     parser.add_argument("--json", action="store_true", help="print a machine-readable summary to stdout")
     parser.add_argument("--out-json", default=None, help="also write the JSON summary to this path")
     parser.add_argument("--plot", default=default_plot, help="PNG path ('' to skip the plot)")
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch intra-op threads")
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="wall time, or the thread's CPU time (needs --threads 1; ignores time lost to outside load)",
+    )

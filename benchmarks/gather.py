@@ -82,6 +82,7 @@ def run(
     shapes: Sequence[tuple[int, int]],
     dtypes: Sequence[torch.dtype],
     repeats: int,
+    clock: str = "wall",
     seed: int = 0,
 ) -> list[Row]:
     """Time every candidate on every configuration; long contexts get a third of the repeats."""
@@ -95,7 +96,7 @@ def run(
                 fns = candidates(pool, table, seq_len)
                 check_same(fns)
                 n = repeats if seq_len <= 1024 else max(5, repeats // 3)
-                samples = sample_interleaved(fns, warmup=3, repeats=n)
+                samples = sample_interleaved(fns, warmup=3, repeats=n, clock=clock)
                 times = {name: statistics.median(values) for name, values in samples.items()}
                 rows.append(
                     Row(
@@ -145,7 +146,7 @@ def acceptance(rows: list[Row]) -> list[dict[str, object]]:
     ]
 
 
-def plot(rows: list[Row], path: str) -> None:
+def plot(rows: list[Row], path: str, clock: str) -> None:
     panels = {}
     for r in rows:
         key = f"{r.num_kv_heads} heads x {r.head_dim}, {r.dtype}"
@@ -157,7 +158,7 @@ def plot(rows: list[Row], path: str) -> None:
         path,
         panels,
         "seq_len (tokens)",
-        "µs per call (median)",
+        f"µs per call (median, {clock} clock)",
         f"Gathering one request's K/V from the pool (block_size {BLOCK_SIZE}, "
         f"{torch.get_num_threads()} threads)",
     )
@@ -171,14 +172,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_threads(args.threads)
     if args.quick:
-        rows = run((16, ACCEPT_SEQ_LEN), SHAPES[:1], DTYPES[:1], args.repeats or 10)
+        rows = run((16, ACCEPT_SEQ_LEN), SHAPES[:1], DTYPES[:1], args.repeats or 10, args.clock)
     else:
-        rows = run(SEQ_LENS, SHAPES, DTYPES, args.repeats or 60)
+        rows = run(SEQ_LENS, SHAPES, DTYPES, args.repeats or 60, args.clock)
     summary = {
         "benchmark": "gather",
         "unit": "us",
         "quick": args.quick,
         "threads": torch.get_num_threads(),
+        "clock": args.clock,
         "block_size": BLOCK_SIZE,
         "torch": torch.__version__,
         "methods": list(METHODS),
@@ -203,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             file=text_out,
         )
     if args.plot:
-        plot(rows, args.plot)
+        plot(rows, args.plot, args.clock)
         print(f"plot: {args.plot}", file=text_out)
     if args.out_json:
         write_json(summary, args.out_json)

@@ -47,7 +47,8 @@ def run_offline(engine: LLMEngine, token_lists: list[list[int]], params: Samplin
 
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(num_kv_blocks=512, max_model_len=512))
+    # One torch thread: the server's own threads share the cores, and 2-thread ops stall when they do.
+    return LLMEngine(EngineConfig(num_kv_blocks=512, max_model_len=512, num_threads=1))
 
 
 @pytest.fixture(scope="module")

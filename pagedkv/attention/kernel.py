@@ -111,8 +111,11 @@ def _build() -> Callable[..., Tensor]:
 
 
 def _summary(exc: BaseException) -> str:
+    """One line of a build failure: the compiler's first error if the message has one, else its last line."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[-1] if lines else 'no message'}"[:300]
+    errors = [line for line in lines if "error:" in line.lower()]
+    line = errors[0] if errors else (lines[-1] if lines else "no message")
+    return f"{type(exc).__name__}: {line}"[:300]
 
 
 def kernel_available() -> bool:
@@ -122,14 +125,13 @@ def kernel_available() -> bool:
             _state.tried = True
             try:
                 _state.op = _build()
-            except (
-                Exception
-            ) as exc:  # any build failure (no compiler, no ninja, compile error) means fallback
+            # Whatever stops the build (no compiler, no ninja, a compile error) means: use the fallback.
+            except Exception as exc:
                 _state.error = _summary(exc)
                 logger.debug("C++ decode kernel build failed", exc_info=True)
                 logger.warning(
-                    "pagedkv: the C++ decode attention kernel could not be built (%s); decode attention will "
-                    "use the gather + SDPA fallback. Set PAGEDKV_ATTENTION_BACKEND=gather to skip the attempt.",
+                    "pagedkv: the C++ decode attention kernel could not be built (%s); decode attention "
+                    "uses the gather + SDPA fallback (PAGEDKV_ATTENTION_BACKEND=gather skips the attempt)",
                     _state.error,
                 )
         return _state.op is not None
@@ -143,16 +145,19 @@ def _check_common(q: Tensor, k_pool: Tensor, v_pool: Tensor) -> None:
         )
     if q.dtype not in (k_pool.dtype, torch.float32) or k_pool.dtype != v_pool.dtype:
         raise ValueError(
-            f"q dtype {q.dtype} must be float32 or the pools' dtype ({k_pool.dtype}, {v_pool.dtype} must match)"
+            f"q dtype {q.dtype} must be float32 or the pools' dtype, and the pools' dtypes must match "
+            f"(k_pool {k_pool.dtype}, v_pool {v_pool.dtype})"
         )
 
 
 def decode_attention_kernel(
     q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float
 ) -> Tensor:
-    """``softmax(q K^T * scale) V`` per request over positions ``[0, seq_len)``, K/V read in place from the pools.
+    """``softmax(q K^T * scale) V`` per request over positions ``[0, seq_len)``, K/V read in place.
 
-    q ``[B, Hq, D]``; query head ``h`` uses KV head ``h // (Hq // Hkv)``. Returns ``[B, Hq, D]`` in q's dtype.
+    q ``[B, Hq, D]`` (any strides, the pools' dtype or fp32); pools ``[num_blocks, block_size, Hkv, D]``
+    (fp32 or bf16, contiguous); ``block_tables [B, max_blocks]`` padded with 0; ``seq_lens [B] >= 1``.
+    Query head ``h`` uses KV head ``h // (Hq // Hkv)``. Returns ``[B, Hq, D]`` in q's dtype.
     """
     return _run_kernel(q, k_pool, v_pool, block_tables, seq_lens, scale, partition_tokens=0)
 
@@ -166,53 +171,68 @@ def _run_kernel(
     scale: float,
     partition_tokens: int,
 ) -> Tensor:
-    """The kernel with an explicit context partition size (<= 0: chosen from the thread count); for tests."""
-    if not kernel_available():
-        raise RuntimeError(f"the C++ decode kernel is unavailable ({_state.error}): use the 'gather' backend")
+    """The kernel with an explicit context partition size (<= 0: chosen from the thread count); for tests.
+
+    Conversions are skipped when they would be no-ops: each ``.to()`` costs microseconds, and this runs
+    once per layer per step.
+    """
+    op = _state.op
+    if op is None:
+        if not kernel_available():
+            raise RuntimeError(f"the C++ decode kernel is unavailable ({_state.error}): use the 'gather' backend")
+        op = _state.op
     _check_common(q, k_pool, v_pool)
     if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
         raise ValueError("k_pool and v_pool must be contiguous: the kernel addresses them by flat slot")
-    out = _state.op(
-        q.to(torch.float32).contiguous(),
+    out = op(
+        _dense(q, torch.float32),
         k_pool,
         v_pool,
-        block_tables.to(torch.int64).contiguous(),
-        seq_lens.to(torch.int64).contiguous(),
+        _dense(block_tables, torch.int64),
+        _dense(seq_lens, torch.int64),
         float(scale),
         int(partition_tokens),
     )
-    return out.to(q.dtype)
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def _dense(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
 def decode_attention_reference(
     q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float
 ) -> Tensor:
-    """Same semantics as :func:`decode_attention_kernel`, in PyTorch: one gather, then one batched SDPA.
+    """Same semantics as :func:`decode_attention_kernel`, in PyTorch: one gather, then SDPA per request.
 
-    All contexts are gathered with one ``index_select`` into ``[B, max_len]`` slots, padded positions
-    pointing at the request's last real slot and masked out. The G query heads of a KV head become SDPA's
-    query length, so GQA needs no repeated K/V. SDPA runs in fp32 (bf16 SDPA is far slower on CPU).
+    Every context is read with one ``index_select`` per pool (``ops.gather_slots`` on the requests' flat
+    slots, concatenated). SDPA then runs once per request on views of that copy, with the G query heads
+    of a KV head as its query length, so GQA needs no repeated K/V. Per request beat one padded, masked
+    SDPA over the batch: 4-10x with mixed context lengths, about even with equal ones, and only lost
+    (~1.4x) at 32 requests of 128 tokens. SDPA runs in fp32: bf16 SDPA is several times slower on CPU.
     """
     _check_common(q, k_pool, v_pool)
     batch, q_heads, dim = q.shape
-    _, block_size, kv_heads, _ = k_pool.shape
+    kv_heads = k_pool.shape[2]
     if q_heads % kv_heads:
         raise ValueError(f"query heads {q_heads} must be a multiple of KV heads {kv_heads}")
-    seq_lens = seq_lens.to(torch.int64)
-    max_len = int(seq_lens.max())
-    if int(seq_lens.min()) < 1 or max_len > block_tables.shape[1] * block_size:
-        raise ValueError(
-            f"seq_lens must lie in [1, {block_tables.shape[1] * block_size}] (block_tables width x block_size)"
-        )
-    positions = torch.arange(max_len)
-    valid = positions < seq_lens[:, None]
-    positions = torch.minimum(positions, seq_lens[:, None] - 1)
-    blocks = block_tables.to(torch.int64).gather(1, positions // block_size)
-    slots = (blocks * block_size + positions % block_size).reshape(-1)
-    k = ops.gather_slots(k_pool, slots).view(batch, max_len, kv_heads, dim).permute(0, 2, 1, 3)
-    v = ops.gather_slots(v_pool, slots).view(batch, max_len, kv_heads, dim).permute(0, 2, 1, 3)
+    lens = seq_lens.tolist()
+    if min(lens, default=1) < 1:
+        raise ValueError(f"every seq_len must be >= 1 (the decoded token is already in the pool), got {lens}")
+    slots = ops.batched_slot_mapping(block_tables.tolist(), [0] * batch, lens, k_pool.shape[1])
+    k, v = ops.gather_slots(k_pool, slots), ops.gather_slots(v_pool, slots)
     if k.dtype != torch.float32:
         k, v = k.float(), v.float()
-    query = q.to(torch.float32).reshape(batch, kv_heads, q_heads // kv_heads, dim)
-    out = F.scaled_dot_product_attention(query, k, v, attn_mask=valid[:, None, None, :], scale=scale)
-    return out.reshape(batch, q_heads, dim).to(q.dtype)
+    query = q.to(torch.float32).reshape(batch, 1, kv_heads, q_heads // kv_heads, dim)
+    out = torch.empty(batch, q_heads, dim)
+    start = 0
+    for i, length in enumerate(lens):
+        context = slice(start, start + length)
+        out[i] = F.scaled_dot_product_attention(
+            query[i],
+            k[context].permute(1, 0, 2).unsqueeze(0),
+            v[context].permute(1, 0, 2).unsqueeze(0),
+            scale=scale,
+        ).view(q_heads, dim)
+        start += length
+    return out.to(q.dtype)

@@ -13,6 +13,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# relative distance below a row's top bf16 logit within which the order is unreliable: two roundings of
+# 2**-8 each, plus the bf16 rounding of the GEMM's input, with room to spare
+_BF16_TIE_MARGIN = 2.0**-6
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -58,6 +61,26 @@ class Linear(nn.Module):
                 "the config does not match the weights"
             )
         target.data[offset : offset + rows].copy_(tensor)
+
+
+class LMHead(Linear):
+    """The vocabulary projection. With bf16 weights, each row's near-maximal logits are recomputed in fp32.
+
+    A bf16 GEMM returns bf16: logits near 25 come back in steps of 0.125, which turns close candidates
+    into exact ties and flips greedy choices (measured on the default model: "The" and "L" both became
+    25.25). Recomputing the few logits within rounding distance of each row's maximum -- fp32 activations
+    times the same bf16 weights -- restores the argmax at a negligible cost; the other logits keep bf16
+    rounding, as in any bf16 engine.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        logits = super().forward(x)
+        if self.weight.dtype == torch.float32:
+            return logits
+        top = logits.amax(dim=-1, keepdim=True)
+        rows, cols = (logits >= top - top.abs() * _BF16_TIE_MARGIN - 1e-3).nonzero(as_tuple=True)
+        logits[rows, cols] = (x[rows] * self.weight[cols].float()).sum(dim=-1)
+        return logits
 
 
 class RMSNorm(nn.Module):

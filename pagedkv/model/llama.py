@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.attention.paged import BACKENDS, paged_attention
-from pagedkv.model.layers import Linear, RMSNorm, SwiGLU, torch_dtype
+from pagedkv.model.layers import Linear, LMHead, RMSNorm, SwiGLU, torch_dtype
 from pagedkv.model.rope import RotaryEmbedding, apply_rope
 from pagedkv.model.spec import ModelSpec
 
@@ -95,7 +95,7 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(spec, weight_dtype, attention_backend) for _ in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, False, weight_dtype)
+        self.lm_head = LMHead(spec.hidden_size, spec.vocab_size, False, weight_dtype)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_positions, spec.rope)

@@ -37,6 +37,10 @@ constexpr int64_t kRegs = 8;             // vectors of q or of the accumulator h
 constexpr int64_t kTile = 64;            // tokens per softmax update
 constexpr int64_t kMinPartition = 256;   // shorter partitions cost more to merge than they gain
 constexpr int64_t kItemsPerThread = 8;   // enough items per thread for the dynamic schedule to balance
+// Work (tokens x query heads x head dim) worth waking another thread for, ~100 us on one core. Below it the
+// step runs on the calling thread: a second thread would save tens of microseconds on an idle machine,
+// but waiting for it to be scheduled costs milliseconds when the cores are busy.
+constexpr int64_t kWorkPerThread = int64_t{1} << 20;
 
 inline Vec splat(float x) { return Vec{x, x, x, x, x, x, x, x}; }
 inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
@@ -113,7 +117,7 @@ struct Item {
 };
 
 // One worker's state for one item: scaled queries, per query head accumulator, max and sum, and per tile
-// the pool offsets of its tokens (this tile's and the next one's), its K/V rows and scores.
+// the pool offsets of its tokens (this tile's and the next one's), its K/V rows and its scores.
 struct Scratch {
   std::vector<float> q, acc, m, l, scores, k_buf, v_buf;
   std::vector<int64_t> offsets, next_offsets;
@@ -121,14 +125,16 @@ struct Scratch {
   std::vector<Vec> partial;
   Scratch(int64_t heads, int64_t dim, bool convert)
       : q(heads * dim), acc(heads * dim), m(heads), l(heads), scores(kTile),
-        k_buf(convert ? kTile * dim : 0), v_buf(convert ? kTile * dim : 0), offsets(kTile), next_offsets(kTile),
-        k_rows(kTile), v_rows(kTile), partial(kTile) {}
+        k_buf(convert ? kTile * dim : 0), v_buf(convert ? kTile * dim : 0), offsets(kTile),
+        next_offsets(kTile), k_rows(kTile), v_rows(kTile), partial(kTile) {}
 };
 
 // scores[i] = q . k[i][0, dim) for i < n. The query stays in registers, kRegs vectors at a time, and each
 // token's partial sums stay a vector until one shared transpose-add at the end.
-void qk_scores(float* scores, Vec* partial, const float* q, const float* const* k, int64_t n, int64_t dim) {
-  const int64_t vec_end = dim / kLanes * kLanes;
+template <int kDim>
+void qk_scores(float* scores, Vec* partial, const float* q, const float* const* k, int64_t n,
+               int64_t runtime_dim) {
+  const int64_t dim = kDim > 0 ? kDim : runtime_dim, vec_end = dim / kLanes * kLanes;
   std::fill(partial, partial + (n + kLanes - 1) / kLanes * kLanes, Vec{});
   for (int64_t c0 = 0; c0 < vec_end; c0 += kRegs * kLanes) {
     const int64_t width = std::min(kRegs * kLanes, vec_end - c0);
@@ -152,8 +158,9 @@ void qk_scores(float* scores, Vec* partial, const float* q, const float* const* 
 }
 
 // acc[0, dim) += sum_i p[i] * v[i][0, dim), kRegs accumulator vectors in registers at a time.
-void accumulate(float* acc, const float* p, const float* const* v, int64_t n, int64_t dim) {
-  const int64_t vec_end = dim / kLanes * kLanes;
+template <int kDim>
+void accumulate(float* acc, const float* p, const float* const* v, int64_t n, int64_t runtime_dim) {
+  const int64_t dim = kDim > 0 ? kDim : runtime_dim, vec_end = dim / kLanes * kLanes;
   for (int64_t c0 = 0; c0 < vec_end; c0 += kRegs * kLanes) {
     const int64_t width = std::min(kRegs * kLanes, vec_end - c0);
     Vec a[kRegs];
@@ -195,7 +202,8 @@ inline void softmax_update(float* s, int64_t n, float& m, float& l, float* acc, 
 
 // Point at one KV head's rows of a tile: in place for fp32 pools; bf16 rows are widened once into a buffer
 // here rather than once per query head of the group.
-inline void tile_rows(const float* pool, const int64_t* offsets, int64_t n, int64_t, float*, const float** rows) {
+inline void tile_rows(const float* pool, const int64_t* offsets, int64_t n, int64_t, float*,
+                      const float** rows) {
   for (int64_t i = 0; i < n; ++i) rows[i] = pool + offsets[i];
 }
 
@@ -248,9 +256,9 @@ void attend(const Problem<T>& pr, const Item& item, Scratch& s) {
       tile_rows(pr.v + h * dim, s.offsets.data(), n, dim, s.v_buf.data(), s.v_rows.data());
       for (int64_t head = h * pr.group; head < (h + 1) * pr.group; ++head) {
         float* acc = s.acc.data() + head * dim;
-        qk_scores(s.scores.data(), s.partial.data(), s.q.data() + head * dim, s.k_rows.data(), n, dim);
+        qk_scores<kDim>(s.scores.data(), s.partial.data(), s.q.data() + head * dim, s.k_rows.data(), n, dim);
         softmax_update(s.scores.data(), n, s.m[head], s.l[head], acc, dim);
-        accumulate(acc, s.scores.data(), s.v_rows.data(), n, dim);
+        accumulate<kDim>(acc, s.scores.data(), s.v_rows.data(), n, dim);
       }
     }
     std::swap(s.offsets, s.next_offsets);
@@ -259,18 +267,18 @@ void attend(const Problem<T>& pr, const Item& item, Scratch& s) {
   }
 }
 
-int64_t choose_partition(const std::vector<int64_t>& lens, int64_t block_size, int64_t requested) {
+// Partition length: contexts are cut only when there are several threads to share the work out.
+int64_t choose_partition(int64_t total_tokens, int64_t threads, int64_t block_size, int64_t requested) {
   int64_t size = requested;
   if (size <= 0) {
-    const int64_t items = kItemsPerThread * std::max<int64_t>(at::get_num_threads(), 1);
-    const int64_t work = std::accumulate(lens.begin(), lens.end(), int64_t{0});
-    size = std::max((work + items - 1) / items, kMinPartition);
+    const int64_t items = kItemsPerThread * threads;
+    size = threads > 1 ? std::max((total_tokens + items - 1) / items, kMinPartition) : total_tokens;
   }
   return (size + block_size - 1) / block_size * block_size;
 }
 
 template <typename T, int kDim>
-void run(const Problem<T>& pr, int64_t partition, float* out) {
+void run(const Problem<T>& pr, int64_t partition, int64_t threads, float* out) {
   const int64_t dim = pr.dim, heads = pr.q_heads, batch = static_cast<int64_t>(pr.lens.size());
   std::vector<Item> items;
   std::vector<int64_t> first_slot(batch + 1, 0);  // partitions of request b: slots [first_slot[b], [b + 1])
@@ -278,15 +286,17 @@ void run(const Problem<T>& pr, int64_t partition, float* out) {
     const int64_t parts = (pr.lens[b] + partition - 1) / partition;
     first_slot[b + 1] = first_slot[b] + (parts > 1 ? parts : 0);
     for (int64_t p = 0; p < parts; ++p)
-      items.push_back({b, p * partition, std::min(pr.lens[b], (p + 1) * partition), parts > 1 ? first_slot[b] + p : -1});
+      items.push_back({b, p * partition, std::min(pr.lens[b], (p + 1) * partition),
+                       parts > 1 ? first_slot[b] + p : -1});
   }
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.end - a.begin > b.end - b.begin; });
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.end - a.begin > b.end - b.begin; });
   std::vector<float> part_acc(first_slot[batch] * heads * dim), part_m(first_slot[batch] * heads),
       part_l(first_slot[batch] * heads);
 
   std::atomic<int64_t> next{0};
   const auto num_items = static_cast<int64_t>(items.size());
-  at::parallel_for(0, std::min<int64_t>(std::max(at::get_num_threads(), 1), num_items), 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, std::min(threads, num_items), 1, [&](int64_t, int64_t) {
     Scratch s(heads, dim, !std::is_same_v<T, float>);
     for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
       const Item& it = items[i];
@@ -304,7 +314,7 @@ void run(const Problem<T>& pr, int64_t partition, float* out) {
   });
 
   // Merge partitions: out = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p, with M the largest m_p.
-  at::parallel_for(0, batch * heads, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, first_slot[batch] > 0 ? batch * heads : 0, 256, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / heads, head = bh % heads, lo = first_slot[b], hi = first_slot[b + 1];
       if (lo == hi) continue;
@@ -324,11 +334,15 @@ void run(const Problem<T>& pr, int64_t partition, float* out) {
 }
 
 template <typename T>
-void dispatch_dim(const Problem<T>& pr, int64_t partition, float* out) {
+void dispatch_dim(const Problem<T>& pr, int64_t partition_tokens, float* out) {
+  const int64_t tokens = std::accumulate(pr.lens.begin(), pr.lens.end(), int64_t{0});
+  const int64_t threads = std::clamp<int64_t>(tokens * pr.q_heads * pr.dim / kWorkPerThread, 1,
+                                              std::max(at::get_num_threads(), 1));
+  const int64_t partition = choose_partition(tokens, threads, pr.block_size, partition_tokens);
   switch (pr.dim) {
-    case 64: return run<T, 64>(pr, partition, out);
-    case 128: return run<T, 128>(pr, partition, out);
-    default: return run<T, 0>(pr, partition, out);
+    case 64: return run<T, 64>(pr, partition, threads, out);
+    case 128: return run<T, 128>(pr, partition, threads, out);
+    default: return run<T, 0>(pr, partition, threads, out);
   }
 }
 
@@ -337,17 +351,19 @@ void dispatch_dim(const Problem<T>& pr, int64_t partition, float* out) {
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                         int64_t partition_tokens) {
-  TORCH_CHECK_VALUE(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous fp32 [B, Hq, D]");
+  TORCH_CHECK_VALUE(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
+                    "q must be contiguous fp32 [B, Hq, D]");
   TORCH_CHECK_VALUE(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.is_contiguous() &&
-                        v_pool.is_contiguous() && k_pool.scalar_type() == v_pool.scalar_type(),
-                    "k_pool and v_pool must be contiguous [num_blocks, block_size, Hkv, D] of one dtype");
-  TORCH_CHECK_VALUE(k_pool.scalar_type() == at::kFloat || k_pool.scalar_type() == at::kBFloat16, "pools must be fp32 or bf16");
+                        v_pool.is_contiguous() && k_pool.scalar_type() == v_pool.scalar_type() &&
+                        (k_pool.scalar_type() == at::kFloat || k_pool.scalar_type() == at::kBFloat16),
+                    "pools must be contiguous [num_blocks, block_size, Hkv, D], both fp32 or both bf16");
   TORCH_CHECK_VALUE(q.size(2) == k_pool.size(3) && q.size(1) % k_pool.size(2) == 0,
                     "q [B, Hq, D] needs the pool's D and Hq a multiple of its Hkv");
-  TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
-                        seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() &&
-                        block_tables.size(0) == q.size(0) && seq_lens.size(0) == q.size(0),
-                    "block_tables must be contiguous int64 [B, max_blocks] and seq_lens contiguous int64 [B]");
+  const auto is_index = [&](const at::Tensor& t, int64_t dims) {
+    return t.dim() == dims && t.scalar_type() == at::kLong && t.is_contiguous() && t.size(0) == q.size(0);
+  };
+  TORCH_CHECK_VALUE(is_index(block_tables, 2) && is_index(seq_lens, 1),
+                    "block_tables must be contiguous int64 [B, max_blocks], seq_lens contiguous int64 [B]");
   const int64_t batch = q.size(0), bs = k_pool.size(1), max_blocks = block_tables.size(1);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const std::vector<int64_t> lens(seq_lens.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>() + batch);
@@ -362,17 +378,17 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
   }
   auto out = at::empty_like(q);
   if (batch == 0) return out;
-  const int64_t partition = choose_partition(lens, bs, partition_tokens);
   const int64_t kv_heads = k_pool.size(2), q_heads = q.size(1), dim = q.size(2);
-  const auto fscale = static_cast<float>(scale);
+  const auto solve = [&](auto* pool_type) {
+    using T = std::remove_pointer_t<decltype(pool_type)>;
+    const Problem<T> pr{q.data_ptr<float>(), k_pool.data_ptr<T>(), v_pool.data_ptr<T>(), tables, lens,
+                        q_heads, kv_heads, q_heads / kv_heads, dim, bs, max_blocks, static_cast<float>(scale)};
+    dispatch_dim(pr, partition_tokens, out.data_ptr<float>());
+  };
   if (k_pool.scalar_type() == at::kFloat) {
-    const Problem<float> pr{q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), tables, lens,
-                            q_heads, kv_heads, q_heads / kv_heads, dim, bs, max_blocks, fscale};
-    dispatch_dim(pr, partition, out.data_ptr<float>());
+    solve(static_cast<float*>(nullptr));
   } else {
-    const Problem<at::BFloat16> pr{q.data_ptr<float>(), k_pool.data_ptr<at::BFloat16>(), v_pool.data_ptr<at::BFloat16>(),
-                                   tables, lens, q_heads, kv_heads, q_heads / kv_heads, dim, bs, max_blocks, fscale};
-    dispatch_dim(pr, partition, out.data_ptr<float>());
+    solve(static_cast<at::BFloat16*>(nullptr));
   }
   return out;
 }
@@ -380,7 +396,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
 // torch.ops.pagedkv.paged_decode: q fp32 [B, Hq, D] -> fp32 [B, Hq, D]; partition_tokens <= 0 picks the
 // context partition size from the thread count.
 TORCH_LIBRARY(pagedkv, m) {
-  m.def("paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor seq_lens, float scale, "
-        "int partition_tokens) -> Tensor",
+  m.def("paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor seq_lens, "
+        "float scale, int partition_tokens) -> Tensor",
         &paged_decode);
 }

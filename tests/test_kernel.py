@@ -1,0 +1,216 @@
+"""The C++ paged decode kernel against the gather + SDPA reference, the reference against naive math, and
+the backend choice (argument / environment / fallback when the kernel cannot be built)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+
+from pagedkv.attention import backend, kernel
+from pagedkv.attention.backend import ENV_VAR, decode_attention, resolve_backend
+from pagedkv.attention.kernel import decode_attention_kernel, decode_attention_reference
+from pagedkv.kv import ops
+
+HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
+needs_kernel = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler here: the kernel cannot be built")
+MIXED_LENS = [1, 15, 17, 100, 1000, 4095]  # 1 ... 4096, none a multiple of the block size
+
+
+@pytest.fixture(scope="module")
+def built() -> None:
+    """With a compiler present the kernel must build: a failure here is a bug, not a reason to skip."""
+    if HAS_COMPILER:
+        assert kernel.kernel_available(), f"the kernel did not build: {kernel._state.error}"
+
+
+def make_step(lens, kv_heads, group, dim, dtype=torch.float32, block_size=16, shared=False, seed=0):
+    """A pool bigger than needed, each request's blocks a shuffled pick of it, tables padded with 0.
+
+    ``shared``: each request's first half of blocks is the longest request's (as prefix caching shares them).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    needs = [-(-n // block_size) for n in lens]
+    num_blocks = sum(needs) + 5
+    k_pool = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    v_pool = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, start = [], 0
+    for need in needs:
+        tables.append(order[start : start + need])
+        start += need
+    if shared:
+        donor = max(tables, key=len)
+        tables = [donor[: len(t) // 2] + t[len(t) // 2 :] for t in tables]
+    block_tables = ops.pad_block_tables(tables, width=max(needs) + 2)
+    q = torch.randn(len(lens), kv_heads * group, dim, generator=gen).to(dtype)
+    return q, k_pool, v_pool, block_tables, torch.tensor(lens, dtype=torch.int64)
+
+
+def naive(q, k_pool, v_pool, block_tables, seq_lens, scale):
+    """Per request: the tutorial's loop gather, then softmax written out, in float64."""
+    block_size, kv_heads = k_pool.shape[1], k_pool.shape[2]
+    group = q.shape[1] // kv_heads
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i, length in enumerate(seq_lens.tolist()):
+        table = block_tables[i].tolist()
+        k = ops.gather_kv_loop(k_pool, table, length, block_size).double()
+        v = ops.gather_kv_loop(v_pool, table, length, block_size).double()
+        for head in range(q.shape[1]):
+            scores = k[:, head // group] @ q[i, head].double() * scale
+            weights = torch.exp(scores - scores.max())
+            out[i, head] = (weights / weights.sum()) @ v[:, head // group]
+    return out
+
+
+@pytest.mark.parametrize("kv_heads,group,dim", [(3, 3, 64), (2, 1, 128), (4, 4, 64), (8, 4, 128)])
+def test_reference_matches_naive_math(kv_heads, group, dim):
+    step = make_step([1, 17, 300, 1000], kv_heads, group, dim, shared=True)
+    expected = naive(*step, scale=dim**-0.5)
+    torch.testing.assert_close(
+        decode_attention_reference(*step, scale=dim**-0.5).double(), expected, atol=1e-5, rtol=0
+    )
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("shared", [False, True])
+def test_kernel_matches_reference(built, group, dim, dtype, shared):
+    step = make_step(MIXED_LENS, 2, group, dim, dtype, shared=shared, seed=group * dim)
+    got = decode_attention_kernel(*step, scale=dim**-0.5)
+    assert got.dtype == dtype and got.shape == step[0].shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, decode_attention_reference(*step, scale=dim**-0.5), atol=tol, rtol=tol)
+
+
+@needs_kernel
+def test_kernel_matches_naive_math(built):
+    step = make_step([4095, 33, 1], 3, 3, 64, shared=True)
+    got = decode_attention_kernel(*step, scale=0.125).double()
+    torch.testing.assert_close(got, naive(*step, scale=0.125), atol=1e-5, rtol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("partition", [0, 16, 48, 256, 100_000])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_partitions_and_threads_agree(built, partition, threads):
+    """Contexts cut into partitions (merged by log-sum-exp) give the unsplit result, on any thread count."""
+    step = make_step(MIXED_LENS, 3, 3, 64, seed=7)
+    expected = decode_attention_reference(*step, scale=0.125)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernel._run_kernel(*step, scale=0.125, partition_tokens=partition)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dim,block_size", [(80, 16), (36, 16), (64, 1), (64, 32), (128, 5)])
+def test_other_head_dims_and_block_sizes(built, dim, block_size):
+    step = make_step([1, 7, 70, 333], 2, 2, dim, block_size=block_size, seed=dim)
+    got = decode_attention_kernel(*step, scale=dim**-0.5)
+    torch.testing.assert_close(got, decode_attention_reference(*step, scale=dim**-0.5), atol=1e-5, rtol=0)
+
+
+@needs_kernel
+def test_fp32_query_on_bf16_pool_and_strided_query(built):
+    q, k_pool, v_pool, tables, lens = make_step([5, 600], 2, 3, 64, torch.bfloat16)
+    q32 = torch.randn(2, 12, 64)[:, ::2]  # non-contiguous, fp32
+    got = decode_attention_kernel(q32, k_pool, v_pool, tables, lens, 0.125)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(
+        got, decode_attention_reference(q32, k_pool, v_pool, tables, lens, 0.125), atol=1e-5, rtol=0
+    )
+
+
+@needs_kernel
+def test_bad_inputs_raise_value_errors(built):
+    q, k_pool, v_pool, tables, lens = make_step([20, 40], 2, 2, 64)
+    with pytest.raises(ValueError, match="outside the pool"):
+        decode_attention_kernel(q, k_pool, v_pool, torch.full_like(tables, k_pool.shape[0]), lens, 0.1)
+    with pytest.raises(ValueError, match="seq_lens"):
+        decode_attention_kernel(q, k_pool, v_pool, tables, torch.tensor([0, 40]), 0.1)
+    with pytest.raises(ValueError, match="seq_lens"):
+        decode_attention_kernel(q, k_pool, v_pool, tables, torch.tensor([20, 10_000]), 0.1)
+    with pytest.raises(ValueError, match="contiguous"):
+        decode_attention_kernel(q, k_pool.transpose(1, 2), v_pool.transpose(1, 2), tables, lens, 0.1)
+    with pytest.raises(ValueError, match="dtype"):
+        decode_attention_kernel(q.to(torch.bfloat16), k_pool, v_pool, tables, lens, 0.1)
+
+
+@needs_kernel
+def test_build_is_cached_per_machine(built):
+    assert (kernel.build_directory() / f"{kernel._NAME}.so").exists()
+    assert kernel.build_directory().is_relative_to(kernel.cache_dir())
+
+
+def test_cache_dir_follows_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path))
+    assert kernel.build_directory().parent == tmp_path / "torch_extensions"
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """A process that has not tried to build yet, with an empty cache; the real state comes back after."""
+    monkeypatch.setattr(kernel, "_state", kernel._BuildState())
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(ENV_VAR, raising=False)
+
+
+def _broken_build():
+    raise RuntimeError("Error building extension 'pagedkv_paged_decode'")
+
+
+@pytest.mark.parametrize("how", ["cxx", "build"])
+def test_broken_compiler_falls_back_to_gather(fresh_build, monkeypatch, caplog, how):
+    if how == "cxx":
+        monkeypatch.setenv("CXX", "/bin/false")
+    else:
+        monkeypatch.setattr(kernel, "_build", _broken_build)
+    with caplog.at_level(logging.INFO):
+        assert kernel.kernel_available() is False
+        assert resolve_backend(None) == "gather"
+        assert resolve_backend("kernel") == "gather"
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("could not be built" in r.getMessage() for r in warnings)
+    assert any("'kernel' was asked for" in r.getMessage() for r in warnings)
+    assert sum("could not be built" in r.getMessage() for r in caplog.records) == 1  # tried once, logged once
+    step = make_step([3, 50], 2, 2, 64)
+    torch.testing.assert_close(decode_attention("gather", *step, scale=0.1), naive(*step, scale=0.1).float())
+    with pytest.raises(RuntimeError, match="gather"):
+        decode_attention_kernel(*step, scale=0.1)
+
+
+def test_resolve_backend_order(monkeypatch, caplog):
+    monkeypatch.setattr(backend, "kernel_available", lambda: True)
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert resolve_backend(None) == "kernel"
+    assert resolve_backend("gather") == "gather"
+    monkeypatch.setenv(ENV_VAR, "gather")
+    assert resolve_backend(None) == "gather"
+    assert resolve_backend("kernel") == "kernel"  # the argument wins over the environment
+    monkeypatch.setenv(ENV_VAR, "kernel")
+    assert resolve_backend(None) == "kernel"
+    monkeypatch.setenv(ENV_VAR, "")
+    monkeypatch.setattr(backend, "kernel_available", lambda: False)
+    with caplog.at_level(logging.INFO):
+        assert resolve_backend(None) == "gather"
+    assert "unavailable" in caplog.text
+
+
+def test_invalid_backend_names(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    with pytest.raises(ValueError, match="'kernel', 'gather'"):
+        resolve_backend("flash")
+    monkeypatch.setenv(ENV_VAR, "cuda")
+    with pytest.raises(ValueError, match=ENV_VAR):
+        resolve_backend(None)
+    with pytest.raises(ValueError, match="not one of"):
+        decode_attention("flash", *make_step([4], 1, 1, 64), scale=0.1)
