@@ -1,27 +1,34 @@
 """Shared, session-scoped fixtures: the default model, ours and HF's, each loaded at most once per run.
 
 HF's reference is loaded straight from the GGUF file by transformers (not from pagedkv's converted cache),
-so it stays independent of our loader.
+so it stays independent of our loader. Imports happen inside the fixtures, so test files that need no
+model do not pay for importing transformers.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
 
-from pagedkv.model import loader
+if TYPE_CHECKING:
+    import torch
+
+    from pagedkv.model.loader import LoadedModel
 
 
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
-    return loader.default_model_path()
+    from pagedkv.model.loader import default_model_path
+
+    return default_model_path()
 
 
 @pytest.fixture(scope="session")
 def hf_default_model(default_model_path: str) -> torch.nn.Module:
     """HF transformers' fp32 model of the default GGUF (weights dequantized by transformers)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     path = Path(default_model_path)
@@ -38,6 +45,8 @@ def hf_default_tokenizer(default_model_path: str):
 
 
 @pytest.fixture(scope="session")
-def default_model() -> loader.LoadedModel:
+def default_model() -> LoadedModel:
     """pagedkv's default model through its own loader: fp32, gather attention."""
-    return loader.load_model(None, dtype="float32", attention_backend="gather")
+    from pagedkv.model.loader import load_model
+
+    return load_model(None, dtype="float32", attention_backend="gather")

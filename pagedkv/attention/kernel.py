@@ -9,7 +9,8 @@ The kernel is compiled on first use with ``torch.utils.cpp_extension`` into a pe
 ``~/.cache/pagedkv/torch_extensions/<hash>`` (``$PAGEDKV_CACHE_DIR`` replaces ``~/.cache/pagedkv``). The hash
 covers the source, the flags, torch, Python and the CPU's instruction set, so a build is reused only where it
 is valid (``-march=native`` code must not run on another CPU). Concurrent first builds in one directory are
-serialised by torch's lock file there.
+serialised by torch's lock file there. There is no ``-ffast-math``: the kernel is vectorised by hand already,
+and it relies on ``-inf`` (the empty running max, masked lanes), which finite-math mode may drop.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 _NAME = "pagedkv_paged_decode"
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-_LDFLAGS = ["-fopenmp"]
+_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
 
 
 @dataclass(slots=True)
@@ -101,8 +102,8 @@ def _build() -> Callable[..., Tensor]:
     cpp_extension.load(
         name=_NAME,
         sources=[str(_SOURCE)],
-        extra_cflags=_CFLAGS,
-        extra_ldflags=_LDFLAGS,
+        extra_cflags=list(_CFLAGS),
+        extra_ldflags=list(_LDFLAGS),  # fresh lists: torch appends its own flags to them
         build_directory=str(directory),
         verbose=False,
         is_python_module=False,
@@ -179,7 +180,7 @@ def _run_kernel(
     op = _state.op
     if op is None:
         if not kernel_available():
-            raise RuntimeError(f"the C++ decode kernel is unavailable ({_state.error}): use the 'gather' backend")
+            raise RuntimeError(f"the C++ decode kernel is unavailable ({_state.error}): use backend 'gather'")
         op = _state.op
     _check_common(q, k_pool, v_pool)
     if not (k_pool.is_contiguous() and v_pool.is_contiguous()):

@@ -15,8 +15,6 @@ from torch import Tensor
 from pagedkv.attention.metadata import AttentionMetadata, decode_gather_index
 from pagedkv.kv import ops
 
-BACKENDS = ("gather", "kernel")
-
 
 def paged_attention(
     q: Tensor,

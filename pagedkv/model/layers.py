@@ -24,9 +24,9 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    # Uninitialised on purpose: every weight is overwritten by load_weights, and random init of the
-    # vocabulary-sized matrices would cost seconds.
+def empty_parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    """An uninitialised, frozen parameter: load_weights overwrites every weight, and random init of the
+    vocabulary-sized matrices would cost seconds."""
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
@@ -39,8 +39,8 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = _param(out_features, in_features, dtype=dtype)
-        self.bias = _param(out_features, dtype=dtype) if bias else None
+        self.weight = empty_parameter(out_features, in_features, dtype=dtype)
+        self.bias = empty_parameter(out_features, dtype=dtype) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
@@ -88,7 +88,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
-        self.weight = _param(size, dtype=torch.float32)
+        self.weight = empty_parameter(size, dtype=torch.float32)
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:

@@ -15,8 +15,9 @@ import torch
 from torch import Tensor, nn
 
 from pagedkv.attention.metadata import AttentionMetadata
-from pagedkv.attention.paged import BACKENDS, paged_attention
-from pagedkv.model.layers import Linear, LMHead, RMSNorm, SwiGLU, torch_dtype
+from pagedkv.attention.paged import paged_attention
+from pagedkv.config import ATTENTION_BACKENDS
+from pagedkv.model.layers import Linear, LMHead, RMSNorm, SwiGLU, empty_parameter, torch_dtype
 from pagedkv.model.rope import RotaryEmbedding, apply_rope
 from pagedkv.model.spec import ModelSpec
 
@@ -34,10 +35,9 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(spec.hidden_size, spec.qkv_size, spec.qkv_bias, dtype)
         self.o_proj = Linear(spec.num_heads * spec.head_dim, spec.hidden_size, spec.o_bias, dtype)
         # Qwen3's q_norm and k_norm, one row per head ([Hq + Hkv, D]) so both run as one normalisation.
+        rows = spec.num_heads + spec.num_kv_heads
         self.qk_norm_weight = (
-            nn.Parameter(torch.empty(spec.num_heads + spec.num_kv_heads, spec.head_dim), requires_grad=False)
-            if spec.qk_norm
-            else None
+            empty_parameter(rows, spec.head_dim, dtype=torch.float32) if spec.qk_norm else None
         )
 
     def forward(
@@ -83,14 +83,14 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, hf_config: Any, dtype: str = "float32", attention_backend: str = "gather") -> None:
         super().__init__()
-        if attention_backend not in BACKENDS:
-            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}"
+            )
         self.spec = spec = ModelSpec.from_hf_config(hf_config)
         self.dtype = weight_dtype = torch_dtype(dtype)
         self.attention_backend = attention_backend
-        self.embed_tokens = nn.Parameter(
-            torch.empty(spec.vocab_size, spec.hidden_size, dtype=weight_dtype), requires_grad=False
-        )
+        self.embed_tokens = empty_parameter(spec.vocab_size, spec.hidden_size, dtype=weight_dtype)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(spec, weight_dtype, attention_backend) for _ in range(spec.num_layers)
         )
@@ -176,18 +176,12 @@ class LlamaForCausalLM(nn.Module):
             for name, linear, offset, has_bias in fused:
                 for kind in ("weight", "bias") if has_bias else ("weight",):
                     targets[f"{prefix}{name}.{kind}"] = _part_copier(linear, kind, offset)
-            targets[prefix + "input_layernorm.weight"] = _copier(layer.input_layernorm.weight)
-            targets[prefix + "post_attention_layernorm.weight"] = _copier(
-                layer.post_attention_layernorm.weight
-            )
-            if spec.qk_norm:
-                norm_weight = attn.qk_norm_weight
-                targets[prefix + "self_attn.q_norm.weight"] = _copier(
-                    norm_weight[: spec.num_heads], broadcast=True
-                )
-                targets[prefix + "self_attn.k_norm.weight"] = _copier(
-                    norm_weight[spec.num_heads :], broadcast=True
-                )
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                targets[f"{prefix}{norm}.weight"] = _copier(getattr(layer, norm).weight)
+            if attn.qk_norm_weight is not None:  # each head's row gets the same per-channel weight
+                q_rows, k_rows = attn.qk_norm_weight.split([spec.num_heads, spec.num_kv_heads])
+                targets[prefix + "self_attn.q_norm.weight"] = _copier(q_rows, broadcast=True)
+                targets[prefix + "self_attn.k_norm.weight"] = _copier(k_rows, broadcast=True)
         return targets
 
 

@@ -381,8 +381,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
   const int64_t kv_heads = k_pool.size(2), q_heads = q.size(1), dim = q.size(2);
   const auto solve = [&](auto* pool_type) {
     using T = std::remove_pointer_t<decltype(pool_type)>;
+    const auto fscale = static_cast<float>(scale);
     const Problem<T> pr{q.data_ptr<float>(), k_pool.data_ptr<T>(), v_pool.data_ptr<T>(), tables, lens,
-                        q_heads, kv_heads, q_heads / kv_heads, dim, bs, max_blocks, static_cast<float>(scale)};
+                        q_heads, kv_heads, q_heads / kv_heads, dim, bs, max_blocks, fscale};
     dispatch_dim(pr, partition_tokens, out.data_ptr<float>());
   };
   if (k_pool.scalar_type() == at::kFloat) {
