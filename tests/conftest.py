@@ -1,20 +1,24 @@
-"""Shared, session-scoped fixtures: the default model, ours and HF's, each loaded at most once per run.
+"""Shared, session-scoped fixtures: the default model, ours and HF's, each loaded at most once per run,
+and ``paged_harness``, which runs a model step by step on hand-managed block tables.
 
 HF's reference is loaded straight from the GGUF file by transformers (not from pagedkv's converted cache),
-so it stays independent of our loader. Imports happen inside the fixtures, so test files that need no
-model do not pay for importing transformers.
+so it stays independent of our loader. transformers is imported inside the fixtures, so test files that
+need no model do not pay for it.
 """
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+import torch
+
+from pagedkv.attention.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
-    import torch
-
+    from pagedkv.model.llama import LlamaForCausalLM
     from pagedkv.model.loader import LoadedModel
 
 
@@ -28,7 +32,6 @@ def default_model_path() -> str:
 @pytest.fixture(scope="session")
 def hf_default_model(default_model_path: str) -> torch.nn.Module:
     """HF transformers' fp32 model of the default GGUF (weights dequantized by transformers)."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     path = Path(default_model_path)
@@ -50,3 +53,59 @@ def default_model() -> LoadedModel:
     from pagedkv.model.loader import load_model
 
     return load_model(None, dtype="float32", attention_backend="gather")
+
+
+@pytest.fixture(scope="session")
+def paged_harness() -> type[PagedHarness]:
+    """The :class:`PagedHarness` class, for tests that run a model step by step without the engine."""
+    return PagedHarness
+
+
+class PagedHarness:
+    """Block tables managed by hand: each request gets blocks from a shuffled free list as it grows.
+
+    The pools start as NaN, so a read of any slot that was never written shows up in the logits.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int = 64, seed: int = 0) -> None:
+        self.model, self.block_size = model, block_size
+        shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        self.kv_caches = [
+            (torch.full(shape, float("nan")), torch.full(shape, float("nan")))
+            for _ in range(model.num_layers)
+        ]
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.tables: dict[str, list[int]] = {}
+        self.tokens: dict[str, list[int]] = {}
+
+    def step(self, chunks: list[tuple[str, list[int]]]) -> list[torch.Tensor]:
+        """One model call over ``(request, new tokens)`` chunks, decodes first; logits of every new token."""
+        ids, positions, tables, query_lens, seq_lens = [], [], [], [], []
+        for rid, new in chunks:
+            done = self.tokens.setdefault(rid, [])
+            table = self.tables.setdefault(rid, [])
+            end = len(done) + len(new)
+            while len(table) * self.block_size < end:
+                table.append(self.free.pop())
+            ids += new
+            positions += range(len(done), end)
+            tables.append(list(table))
+            query_lens.append(len(new))
+            seq_lens.append(end)
+            done += new
+        meta = AttentionMetadata.build(tables, query_lens, seq_lens, self.block_size)
+        logits = self.model(
+            torch.tensor(ids), torch.tensor(positions), meta, self.kv_caches, torch.arange(len(ids))
+        )
+        return list(logits.split(query_lens))
+
+    def greedy(self, prompts: dict[str, list[int]], steps: int) -> dict[str, list[int]]:
+        """Prefill all prompts in one step, then decode them together (different lengths, one batch)."""
+        logits = self.step(list(prompts.items()))
+        out = {rid: [int(row[-1].argmax())] for rid, row in zip(prompts, logits, strict=True)}
+        for _ in range(steps - 1):
+            logits = self.step([(rid, toks[-1:]) for rid, toks in out.items()])
+            for toks, row in zip(out.values(), logits, strict=True):
+                toks.append(int(row[-1].argmax()))
+        return out

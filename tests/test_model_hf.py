@@ -7,64 +7,14 @@ that was never written would turn the logits into NaN.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.model.layers import LMHead
 from pagedkv.model.llama import LlamaForCausalLM
 
 TOL = 1e-4
-
-
-class PagedHarness:
-    """Block tables managed by hand: each request gets blocks from a shuffled free list as it grows."""
-
-    def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int = 64, seed: int = 0) -> None:
-        self.model, self.block_size = model, block_size
-        shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
-        self.kv_caches = [
-            (torch.full(shape, float("nan")), torch.full(shape, float("nan")))
-            for _ in range(model.num_layers)
-        ]
-        self.free = list(range(num_blocks))
-        random.Random(seed).shuffle(self.free)
-        self.tables: dict[str, list[int]] = {}
-        self.tokens: dict[str, list[int]] = {}
-
-    def step(self, chunks: list[tuple[str, list[int]]]) -> list[torch.Tensor]:
-        """One model call over ``(request, new tokens)`` chunks, decodes first; logits of every new token."""
-        ids, positions, tables, query_lens, seq_lens = [], [], [], [], []
-        for rid, new in chunks:
-            done = self.tokens.setdefault(rid, [])
-            table = self.tables.setdefault(rid, [])
-            end = len(done) + len(new)
-            while len(table) * self.block_size < end:
-                table.append(self.free.pop())
-            ids += new
-            positions += range(len(done), end)
-            tables.append(list(table))
-            query_lens.append(len(new))
-            seq_lens.append(end)
-            done += new
-        meta = AttentionMetadata.build(tables, query_lens, seq_lens, self.block_size)
-        logits = self.model(
-            torch.tensor(ids), torch.tensor(positions), meta, self.kv_caches, torch.arange(len(ids))
-        )
-        return list(logits.split(query_lens))
-
-    def greedy(self, prompts: dict[str, list[int]], steps: int) -> dict[str, list[int]]:
-        """Prefill all prompts in one step, then decode them together (different lengths, one batch)."""
-        logits = self.step(list(prompts.items()))
-        out = {rid: [int(row[-1].argmax())] for rid, row in zip(prompts, logits, strict=True)}
-        for _ in range(steps - 1):
-            logits = self.step([(rid, toks[-1:]) for rid, toks in out.items()])
-            for toks, row in zip(out.values(), logits, strict=True):
-                toks.append(int(row[-1].argmax()))
-        return out
 
 
 def _tiny_config(kind: str):
@@ -127,29 +77,29 @@ def _prompt(seed: int, length: int) -> list[int]:
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_prefill_logits_match_hf(pair, block_size):
+def test_prefill_logits_match_hf(pair, block_size, paged_harness):
     hf, ours = pair
     prompt = _prompt(1, 37)
-    (logits,) = PagedHarness(ours, block_size).step([("a", prompt)])
+    (logits,) = paged_harness(ours, block_size).step([("a", prompt)])
     assert torch.isfinite(logits).all()
     torch.testing.assert_close(logits, _hf_logits(hf, prompt), atol=TOL, rtol=0)
 
 
-def test_chunked_prefill_equals_unchunked(pair):
+def test_chunked_prefill_equals_unchunked(pair, paged_harness):
     hf, ours = pair
     prompt = _prompt(2, 41)
-    harness = PagedHarness(ours, block_size=4, seed=3)
+    harness = paged_harness(ours, block_size=4, seed=3)
     chunks = [harness.step([("a", part)])[0] for part in (prompt[:7], prompt[7:30], prompt[30:])]
-    (whole,) = PagedHarness(ours, block_size=4, seed=4).step([("a", prompt)])
+    (whole,) = paged_harness(ours, block_size=4, seed=4).step([("a", prompt)])
     torch.testing.assert_close(torch.cat(chunks), whole, atol=1e-5, rtol=0)
     torch.testing.assert_close(whole, _hf_logits(hf, prompt), atol=TOL, rtol=0)
 
 
-def test_mixed_step_equals_separate_runs(pair):
+def test_mixed_step_equals_separate_runs(pair, paged_harness):
     """Two decodes, a continued prefill chunk and a fresh prefill in ONE step, against each run alone."""
     hf, ours = pair
     a, b, c, d = _prompt(3, 20), _prompt(4, 9), _prompt(5, 30), _prompt(6, 13)
-    mixed = PagedHarness(ours, block_size=4, seed=5)
+    mixed = paged_harness(ours, block_size=4, seed=5)
     mixed.step([("a", a[:-1]), ("b", b[:-1]), ("c", c[:12])])
     got = mixed.step([("a", a[-1:]), ("b", b[-1:]), ("c", c[12:]), ("d", d)])
     alone = []
@@ -159,7 +109,7 @@ def test_mixed_step_equals_separate_runs(pair):
         ("c", c[:12], c[12:]),
         ("d", [], d),
     ):
-        harness = PagedHarness(ours, block_size=4, seed=6)
+        harness = paged_harness(ours, block_size=4, seed=6)
         if prefix:
             harness.step([(rid, prefix)])
         alone += harness.step([(rid, new)])
@@ -169,17 +119,17 @@ def test_mixed_step_equals_separate_runs(pair):
         torch.testing.assert_close(mine, _hf_logits(hf, tokens)[-len(mine) :], atol=TOL, rtol=0)
 
 
-def test_greedy_decode_matches_hf_generate(pair):
+def test_greedy_decode_matches_hf_generate(pair, paged_harness):
     hf, ours = pair
     prompts = {"a": _prompt(7, 5), "b": _prompt(8, 19), "c": _prompt(9, 11)}
-    ours_out = PagedHarness(ours, block_size=4, seed=7).greedy(prompts, steps=10)
+    ours_out = paged_harness(ours, block_size=4, seed=7).greedy(prompts, steps=10)
     for rid, prompt in prompts.items():
         with torch.no_grad():
             seq = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, pad_token_id=0)
         assert ours_out[rid] == seq[0, len(prompt) :].tolist()
 
 
-def test_kernel_backend_matches_gather(pair):
+def test_kernel_backend_matches_gather(pair, paged_harness):
     """The same mixed steps with decode attention on the compiled kernel (skipped where it cannot build)."""
     kernel = pytest.importorskip("pagedkv.attention.kernel")
     if not kernel.kernel_available():
@@ -188,7 +138,7 @@ def test_kernel_backend_matches_gather(pair):
     on_kernel = LlamaForCausalLM(hf.config, attention_backend="kernel")
     on_kernel.load_weights(dict(hf.state_dict()))
     prompts = {"a": _prompt(10, 6), "b": _prompt(11, 21)}
-    runs = [PagedHarness(model, block_size=4, seed=8) for model in (ours, on_kernel)]
+    runs = [paged_harness(model, block_size=4, seed=8) for model in (ours, on_kernel)]
     for harness in runs:
         harness.step(list(prompts.items()))
     for token in (5, 77, 130):
@@ -225,10 +175,10 @@ def chat_prompts(hf_default_tokenizer) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_default_model_prefill_logits_match_hf(default_model, hf_default_model, chat_prompts):
+def test_default_model_prefill_logits_match_hf(default_model, hf_default_model, chat_prompts, paged_harness):
     worst = 0.0
     for i, prompt in enumerate(chat_prompts):
-        (logits,) = PagedHarness(default_model.model, block_size=16, num_blocks=16, seed=i).step(
+        (logits,) = paged_harness(default_model.model, block_size=16, num_blocks=16, seed=i).step(
             [("p", prompt)]
         )
         worst = max(worst, (logits - _hf_logits(hf_default_model, prompt)).abs().max().item())
@@ -237,10 +187,10 @@ def test_default_model_prefill_logits_match_hf(default_model, hf_default_model, 
 
 
 @pytest.mark.slow
-def test_default_model_greedy_matches_hf(default_model, hf_default_model, chat_prompts):
+def test_default_model_greedy_matches_hf(default_model, hf_default_model, chat_prompts, paged_harness):
     steps = 20
     prompts = {str(i): p for i, p in enumerate(chat_prompts)}
-    ours = PagedHarness(default_model.model, block_size=16, num_blocks=32).greedy(prompts, steps)
+    ours = paged_harness(default_model.model, block_size=16, num_blocks=32).greedy(prompts, steps)
     eos = default_model.eos_token_ids
     for rid, prompt in prompts.items():
         with torch.no_grad():
@@ -253,7 +203,7 @@ def test_default_model_greedy_matches_hf(default_model, hf_default_model, chat_p
 
 
 @pytest.mark.slow
-def test_bf16_linear_weights_stay_close_to_fp32(default_model, hf_default_model, chat_prompts):
+def test_bf16_linear_weights_stay_close_to_fp32(default_model, hf_default_model, chat_prompts, paged_harness):
     """bf16 weights round every GEMM: no exactness, but the top-1 token should rarely change."""
     bf16 = LlamaForCausalLM(default_model.hf_config, dtype="bfloat16")
     bf16.load_weights(dict(hf_default_model.state_dict()))
@@ -261,8 +211,8 @@ def test_bf16_linear_weights_stay_close_to_fp32(default_model, hf_default_model,
     assert bf16.norm.weight.dtype == torch.float32
     agree, positions, diff = 0, 0, 0.0
     for prompt in chat_prompts:
-        (ref,) = PagedHarness(default_model.model, block_size=16, num_blocks=16).step([("p", prompt)])
-        (got,) = PagedHarness(bf16, block_size=16, num_blocks=16).step([("p", prompt)])
+        (ref,) = paged_harness(default_model.model, block_size=16, num_blocks=16).step([("p", prompt)])
+        (got,) = paged_harness(bf16, block_size=16, num_blocks=16).step([("p", prompt)])
         assert got.dtype == torch.float32 and torch.isfinite(got).all()
         agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
         positions += len(prompt)
