@@ -61,7 +61,9 @@ class _StepClock:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
-def run_hf_generate(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int, eos_ids: set[int]) -> RunResult:
+def run_hf_generate(
+    model, prompts: list[list[int]], max_new_tokens: int, pad_id: int, eos_ids: set[int]
+) -> RunResult:
     from transformers import StoppingCriteriaList
 
     width = max(len(p) for p in prompts)
@@ -71,8 +73,12 @@ def run_hf_generate(model, prompts: list[list[int]], max_new_tokens: int, pad_id
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False,
-            pad_token_id=pad_id, stopping_criteria=StoppingCriteriaList([clock]),
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
+            stopping_criteria=StoppingCriteriaList([clock]),
         )
     wall = time.perf_counter() - start
     outputs = [_trim(row[width:].tolist(), eos_ids) for row in out]
@@ -80,13 +86,21 @@ def run_hf_generate(model, prompts: list[list[int]], max_new_tokens: int, pad_id
     steps = max(len(clock.times) - 1, 1)
     tpot = (clock.times[-1] - clock.times[0]) / steps * 1000 if len(clock.times) > 1 else 0.0
     return RunResult(
-        "HF transformers generate (padded batch)", wall, sum(len(o) for o in outputs), sum(map(len, prompts)),
-        sum(map(len, prompts)), [first * 1000] * len(prompts), [tpot] * len(prompts), outputs,
+        "HF transformers generate (padded batch)",
+        wall,
+        sum(len(o) for o in outputs),
+        sum(map(len, prompts)),
+        sum(map(len, prompts)),
+        [first * 1000] * len(prompts),
+        [tpot] * len(prompts),
+        outputs,
         note=f"batch of {len(prompts)}, left-padded",
     )
 
 
-def run_hf_generate_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int]) -> RunResult:
+def run_hf_generate_batch(
+    model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int]
+) -> RunResult:
     from transformers import GenerationConfig
 
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(eos_ids))
@@ -97,12 +111,19 @@ def run_hf_generate_batch(model, prompts: list[list[int]], max_new_tokens: int, 
     ordered = sorted(results.values(), key=lambda r: int(str(r.request_id).split("_")[-1]))
     outputs = [_trim(list(r.generated_tokens), eos_ids) for r in ordered]
     return RunResult(
-        "HF transformers generate_batch (continuous batching)", wall, sum(len(o) for o in outputs),
-        sum(map(len, prompts)), sum(map(len, prompts)), outputs=outputs, note="paged cache, no prefix reuse",
+        "HF transformers generate_batch (continuous batching)",
+        wall,
+        sum(len(o) for o in outputs),
+        sum(map(len, prompts)),
+        sum(map(len, prompts)),
+        outputs=outputs,
+        note="paged cache, no prefix reuse",
     )
 
 
-def run_llama_cpp(gguf_path: str, conversations, prompts: list[list[int]], max_new_tokens: int, threads: int) -> RunResult | None:
+def run_llama_cpp(
+    gguf_path: str, conversations, prompts: list[list[int]], max_new_tokens: int, threads: int
+) -> RunResult | None:
     """Sequential chat completions; ``prompts`` are the same conversations tokenized with the same template."""
     try:
         from llama_cpp import Llama
@@ -115,7 +136,9 @@ def run_llama_cpp(gguf_path: str, conversations, prompts: list[list[int]], max_n
     for messages, prompt in zip(conversations, prompts):
         sent = time.perf_counter()
         first, pieces = None, 0
-        for chunk in llm.create_chat_completion(messages=messages, max_tokens=max_new_tokens, temperature=0, stream=True):
+        for chunk in llm.create_chat_completion(
+            messages=messages, max_tokens=max_new_tokens, temperature=0, stream=True
+        ):
             if chunk["choices"][0]["delta"].get("content"):
                 first = first or time.perf_counter()
                 pieces += 1
@@ -127,8 +150,15 @@ def run_llama_cpp(gguf_path: str, conversations, prompts: list[list[int]], max_n
         tpots.append((done - (first or done)) / max(pieces - 1, 1) * 1000)
     wall = time.perf_counter() - start
     return RunResult(
-        "llama.cpp (llama-cpp-python, Q4_1)", wall, output_tokens, sum(map(len, prompts)), computed,
-        ttfts, tpots, None, note="sequential, reuses the previous prompt's KV",
+        "llama.cpp (llama-cpp-python, Q4_1)",
+        wall,
+        output_tokens,
+        sum(map(len, prompts)),
+        computed,
+        ttfts,
+        tpots,
+        None,
+        note="sequential, reuses the previous prompt's KV",
     )
 
 

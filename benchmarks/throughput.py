@@ -30,27 +30,44 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGEDKV_CONFIGS = {
     "pagedkv fp32, prefix caching": {"dtype": "float32", "enable_prefix_caching": True},
     "pagedkv fp32, no prefix caching": {"dtype": "float32", "enable_prefix_caching": False},
-    "pagedkv fastest (bf16 linears, kernel)": {"dtype": "bfloat16", "enable_prefix_caching": True, "attention_backend": "kernel"},
+    "pagedkv fastest (bf16 linears, kernel)": {
+        "dtype": "bfloat16",
+        "enable_prefix_caching": True,
+        "attention_backend": "kernel",
+    },
 }
 
 
 def run_pagedkv(name: str, options: dict, conversations, max_new_tokens: int, threads: int) -> RunResult:
     llm = LLM(num_threads=threads, **options)
-    llm.chat([[{"role": "user", "content": "Warm up."}]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    llm.chat(
+        [[{"role": "user", "content": "Warm up."}]],
+        SamplingParams(max_tokens=4, temperature=0),
+        use_tqdm=False,
+    )
     llm.reset_prefix_cache()
     before = llm.stats()
     start = time.perf_counter()
-    outputs = llm.chat(conversations, SamplingParams(max_tokens=max_new_tokens, temperature=0), use_tqdm=False)
+    outputs = llm.chat(
+        conversations, SamplingParams(max_tokens=max_new_tokens, temperature=0), use_tqdm=False
+    )
     wall = time.perf_counter() - start
     after = llm.stats()
     tpots = [
-        (o.metrics["last_token_time"] - o.metrics["arrival_time"] - o.metrics["ttft"]) / max(len(o.token_ids) - 1, 1) * 1000
+        (o.metrics["last_token_time"] - o.metrics["arrival_time"] - o.metrics["ttft"])
+        / max(len(o.token_ids) - 1, 1)
+        * 1000
         for o in outputs
     ]
     return RunResult(
-        name, wall, sum(len(o.token_ids) for o in outputs), sum(len(o.prompt_token_ids) for o in outputs),
+        name,
+        wall,
+        sum(len(o.token_ids) for o in outputs),
+        sum(len(o.prompt_token_ids) for o in outputs),
         int(after["prompt_tokens_computed"] - before["prompt_tokens_computed"]),
-        [o.metrics["ttft"] * 1000 for o in outputs], tpots, [o.token_ids for o in outputs],
+        [o.metrics["ttft"] * 1000 for o in outputs],
+        tpots,
+        [o.token_ids for o in outputs],
         note=f"attention: {llm.engine.attention_backend}",
     )
 
@@ -58,9 +75,9 @@ def run_pagedkv(name: str, options: dict, conversations, max_new_tokens: int, th
 def load_conversations(path: Path, max_requests: int | None) -> tuple[list, int]:
     data = json.loads(path.read_text())
     questions = data["questions"][:max_requests]
-    return [[{"role": "system", "content": data["system"]}, {"role": "user", "content": q}] for q in questions], int(
-        data.get("max_new_tokens", 64)
-    )
+    return [
+        [{"role": "system", "content": data["system"]}, {"role": "user", "content": q}] for q in questions
+    ], int(data.get("max_new_tokens", 64))
 
 
 def load_hf_model(threads: int):
@@ -85,12 +102,16 @@ def summarize(results: list[RunResult]) -> dict:
     if fast and llama:
         summary["fastest_vs_llama_cpp"] = round(tps[fast.name] / tps[llama.name], 2)
     if fp32 and off and off.prompt_tokens_computed:
-        summary["prompt_computed_on_vs_off"] = round(fp32.prompt_tokens_computed / off.prompt_tokens_computed, 3)
+        summary["prompt_computed_on_vs_off"] = round(
+            fp32.prompt_tokens_computed / off.prompt_tokens_computed, 3
+        )
     if fp32 and fast and fp32.outputs and fast.outputs:
         same = sum(a == b for a, b in zip(fp32.outputs, fast.outputs))
         summary["fastest_outputs_equal_fp32"] = f"{same}/{len(fp32.outputs)}"
     if fp32 and hf and hf.outputs:
-        summary["fp32_outputs_equal_hf"] = f"{sum(a == b for a, b in zip(fp32.outputs, hf.outputs))}/{len(hf.outputs)}"
+        summary["fp32_outputs_equal_hf"] = (
+            f"{sum(a == b for a, b in zip(fp32.outputs, hf.outputs))}/{len(hf.outputs)}"
+        )
     return summary
 
 
@@ -115,12 +136,21 @@ def plot(results: list[RunResult], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--workload", type=Path, default=ROOT / "workloads" / "chat_shared_prefix.json")
     parser.add_argument("--max-requests", type=int, default=None)
     parser.add_argument("--max-new-tokens", type=int, default=None, help="override the workload's")
-    parser.add_argument("--quick", action="store_true", help="4 requests, 16 tokens, pagedkv fp32 + HF generate only")
-    parser.add_argument("--skip", nargs="*", default=[], help="engines to skip: hf, hf-batch, llama, pagedkv-off, pagedkv-fast")
+    parser.add_argument(
+        "--quick", action="store_true", help="4 requests, 16 tokens, pagedkv fp32 + HF generate only"
+    )
+    parser.add_argument(
+        "--skip",
+        nargs="*",
+        default=[],
+        help="engines to skip: hf, hf-batch, llama, pagedkv-off, pagedkv-fast",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", action="store_true", help="print the JSON summary to stdout")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
@@ -135,7 +165,10 @@ def main() -> None:
     log = sys.stderr if args.json else sys.stdout
 
     results: list[RunResult] = []
-    skips = {"pagedkv fp32, no prefix caching": "pagedkv-off", "pagedkv fastest (bf16 linears, kernel)": "pagedkv-fast"}
+    skips = {
+        "pagedkv fp32, no prefix caching": "pagedkv-off",
+        "pagedkv fastest (bf16 linears, kernel)": "pagedkv-fast",
+    }
     for name, options in PAGEDKV_CONFIGS.items():
         if skips.get(name) not in skip:
             print(f"running {name} ...", file=log, flush=True)
@@ -148,7 +181,9 @@ def main() -> None:
         model = load_hf_model(args.threads)
         if "hf" not in skip:
             print("running HF transformers generate ...", file=log, flush=True)
-            results.append(run_hf_generate(model, prompts, max_new_tokens, pad_id=min(eos_ids), eos_ids=eos_ids))
+            results.append(
+                run_hf_generate(model, prompts, max_new_tokens, pad_id=min(eos_ids), eos_ids=eos_ids)
+            )
         if "hf-batch" not in skip:
             print("running HF transformers generate_batch ...", file=log, flush=True)
             try:
@@ -167,8 +202,17 @@ def main() -> None:
 
     rows = [r.row() for r in results]
     summary = summarize(results)
-    headers = ["engine", "wall_s", "output_tok_s", "prompt_tokens_computed", "prefix_hit_rate", "ttft_mean_ms",
-               "ttft_p50_ms", "ttft_p99_ms", "tpot_ms"]
+    headers = [
+        "engine",
+        "wall_s",
+        "output_tok_s",
+        "prompt_tokens_computed",
+        "prefix_hit_rate",
+        "ttft_mean_ms",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "tpot_ms",
+    ]
     table = [[row[h] if row[h] is not None else "-" for h in headers] for row in rows]
     print(format_table(headers, table), file=log)
     for key, value in summary.items():
@@ -179,13 +223,25 @@ def main() -> None:
     markdown = format_table(headers, table, markdown=True)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "throughput.md").write_text(
-        f"Workload: {args.workload.name}, {len(conversations)} requests, {max_new_tokens} new tokens, greedy; {machine}\n\n"
-        + markdown + "\n\n" + "\n".join(f"- {k}: {v}" for k, v in summary.items()) + "\n"
+        f"Workload: {args.workload.name}, {len(conversations)} requests, {max_new_tokens} new tokens, "
+        f"greedy; {machine}\n\n"
+        + markdown
+        + "\n\n"
+        + "\n".join(f"- {k}: {v}" for k, v in summary.items())
+        + "\n"
     )
     plot(results, args.out_dir / "throughput.png")
-    data = {"workload": str(args.workload), "requests": len(conversations), "max_new_tokens": max_new_tokens,
-            "results": rows, "summary": summary, "notes": notes,
-            "ttft_mean_ms_all": statistics.mean(t for r in results for t in r.ttft_ms) if any(r.ttft_ms for r in results) else None}
+    data = {
+        "workload": str(args.workload),
+        "requests": len(conversations),
+        "max_new_tokens": max_new_tokens,
+        "results": rows,
+        "summary": summary,
+        "notes": notes,
+        "ttft_mean_ms_all": statistics.mean(t for r in results for t in r.ttft_ms)
+        if any(r.ttft_ms for r in results)
+        else None,
+    }
     write_json(data, args.out_dir / "throughput.json")
     if args.json:
         print(json.dumps(data, indent=2))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION_BACKENDS = ("kernel", "gather")
@@ -35,7 +37,9 @@ class EngineConfig:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1 (or None to size it automatically), got {self.num_kv_blocks}")
+            raise ValueError(
+                f"num_kv_blocks must be >= 1 (or None to size it automatically), got {self.num_kv_blocks}"
+            )
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.max_num_seqs < 1:
@@ -45,10 +49,21 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} or None, got {self.attention_backend!r}")
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS} or None, got {self.attention_backend!r}"
+            )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
+
+
+def cache_root() -> Path:
+    """Root of pagedkv's per-machine caches (converted models, the compiled kernel).
+
+    ``$PAGEDKV_CACHE_DIR`` if set, else ``~/.cache/pagedkv``.
+    """
+    override = os.environ.get("PAGEDKV_CACHE_DIR")
+    return Path(override).expanduser() if override else Path.home() / ".cache" / "pagedkv"

@@ -71,24 +71,34 @@ def test_seeded_sampling_is_reproducible_across_batches(reference):
     mixed_params[2] = seeded
     in_batch = base.generate(prompt_token_ids=prompts, sampling_params=mixed_params)[2].token_ids
     assert alone == in_batch
-    other = base.generate(prompt_token_ids=[prompts[2]], sampling_params=SamplingParams(max_tokens=16, temperature=0.9, seed=99))
+    other = base.generate(
+        prompt_token_ids=[prompts[2]], sampling_params=SamplingParams(max_tokens=16, temperature=0.9, seed=99)
+    )
     assert other[0].token_ids != alone
 
 
 def test_stop_strings_are_trimmed(reference):
     base, _ = reference
-    prompt = base.engine.apply_chat_template([{"role": "user", "content": "Describe a sunny day at the beach."}])
-    full = base.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=40, temperature=0))[0]
+    prompt = base.engine.apply_chat_template(
+        [{"role": "user", "content": "Describe a sunny day at the beach."}]
+    )
+    full = base.generate(
+        prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=40, temperature=0)
+    )[0]
     assert len(full.text) > 30, full.text
     # a stop string from the middle of the answer, three characters long, so it may span token boundaries
     stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
-    cut = base.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=40, temperature=0, stop=[stop]))[0]
+    cut = base.generate(
+        prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=40, temperature=0, stop=[stop])
+    )[0]
     assert cut.finish_reason == "stop" and cut.outputs[0].stop_reason == stop
     assert cut.text == full.text[: full.text.index(stop)]
     assert len(cut.token_ids) < len(full.token_ids)
     kept = base.generate(
         prompt_token_ids=[prompt],
-        sampling_params=SamplingParams(max_tokens=40, temperature=0, stop=[stop], include_stop_str_in_output=True),
+        sampling_params=SamplingParams(
+            max_tokens=40, temperature=0, stop=[stop], include_stop_str_in_output=True
+        ),
     )[0]
     assert kept.text == full.text[: full.text.index(stop) + len(stop)]
 
@@ -96,7 +106,9 @@ def test_stop_strings_are_trimmed(reference):
 def test_n_samples_share_prompt_blocks():
     llm = LLM(attention_backend="gather")
     system = "You are a helpful assistant who always answers in exactly one short sentence. " * 4
-    prompt = llm.engine.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": "Say hi."}])
+    prompt = llm.engine.apply_chat_template(
+        [{"role": "system", "content": system}, {"role": "user", "content": "Say hi."}]
+    )
     params = SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=7)
     before = llm.stats()
     output = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
@@ -131,7 +143,9 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(reference):
 
 def test_pool_too_small_for_a_request_is_a_clear_error():
     llm = LLM(attention_backend="gather", num_kv_blocks=2)
-    prompt = llm.engine.apply_chat_template([{"role": "user", "content": "Tell me a long story about dragons."}])
+    prompt = llm.engine.apply_chat_template(
+        [{"role": "user", "content": "Tell me a long story about dragons."}]
+    )
     with pytest.raises(ValueError, match="num_kv_blocks"):
         llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=64))
     _assert_no_blocks_held(llm)
@@ -141,7 +155,9 @@ def test_abort_frees_blocks():
     llm = LLM(attention_backend="gather")
     engine = llm.engine
     prompt = engine.apply_chat_template([{"role": "user", "content": "Write a long poem about autumn."}])
-    request_id = engine.add_request(prompt_token_ids=prompt, params=SamplingParams(max_tokens=200, temperature=0))
+    request_id = engine.add_request(
+        prompt_token_ids=prompt, params=SamplingParams(max_tokens=200, temperature=0)
+    )
     for _ in range(3):
         engine.step()
     assert engine.kv.num_used_blocks > 0

@@ -54,7 +54,11 @@ class LLMEngine:
         self._ids = itertools.count()
         logger.info(
             "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, attention %s",
-            self.model_path, num_blocks, config.block_size, self.max_model_len, self.attention_backend,
+            self.model_path,
+            num_blocks,
+            config.block_size,
+            self.max_model_len,
+            self.attention_backend,
         )
 
     # -- requests -------------------------------------------------------------------------------------
@@ -63,7 +67,9 @@ class LLMEngine:
         return list(self.tokenizer.encode(prompt, add_special_tokens=False))
 
     def apply_chat_template(self, messages: Sequence[dict], **kwargs) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, **kwargs)
+        ids = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=True, **kwargs
+        )
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def add_request(
@@ -154,7 +160,9 @@ class LLMEngine:
             request = s.request
             start = request.num_computed_tokens
             request.num_computed_tokens += s.num_new_tokens
-            self.counters["prompt_tokens_computed"] += max(0, min(request.num_prompt_tokens, request.num_computed_tokens) - start)
+            self.counters["prompt_tokens_computed"] += max(
+                0, min(request.num_prompt_tokens, request.num_computed_tokens) - start
+            )
             self._cache_full_blocks(request)
         if sampled:
             requests = [step.scheduled[i].request for i in sampled]

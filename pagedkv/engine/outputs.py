@@ -66,5 +66,9 @@ def build_output(group_id: str, prompt: str | None, group: Sequence[Request]) ->
         outputs=[completion_output(r) for r in group],
         num_cached_tokens=first.num_cached_tokens or 0,
         finished=all(r.is_finished for r in group),
-        metrics={"arrival_time": first.arrival_time, "ttft": ttft, "last_token_time": first.last_token_time or 0.0},
+        metrics={
+            "arrival_time": first.arrival_time,
+            "ttft": ttft,
+            "last_token_time": first.last_token_time or 0.0,
+        },
     )

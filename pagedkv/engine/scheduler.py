@@ -112,7 +112,9 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
-            in_flight.update(request.block_keys[first_new_block : request.num_prompt_tokens // self.kv.block_size])
+            in_flight.update(
+                request.block_keys[first_new_block : request.num_prompt_tokens // self.kv.block_size]
+            )
         self.waiting.extendleft(reversed(deferred))
         return budget
 
@@ -124,7 +126,11 @@ class Scheduler:
         keys: set[BlockKey] = set()
         for request in self.running:
             if request.is_prefilling:
-                keys.update(request.block_keys[request.num_computed_tokens // block_size : request.num_prompt_tokens // block_size])
+                keys.update(
+                    request.block_keys[
+                        request.num_computed_tokens // block_size : request.num_prompt_tokens // block_size
+                    ]
+                )
         return keys
 
     def _preempt(self, request: Request) -> None:

@@ -17,17 +17,31 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine options shared by every command that loads a model."""
     defaults = EngineConfig()
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    group.add_argument(
+        "--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
     group.add_argument("--dtype", choices=DTYPES, default=defaults.dtype, help="weights of the linear layers")
     group.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV block")
-    group.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (default: from --kv-cache-gb)")
-    group.add_argument("--kv-cache-gb", type=float, default=defaults.kv_cache_memory_gb, help="KV pool memory")
+    group.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (default: from --kv-cache-gb)"
+    )
+    group.add_argument(
+        "--kv-cache-gb", type=float, default=defaults.kv_cache_memory_gb, help="KV pool memory"
+    )
     group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="requests per step")
-    group.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens, help="tokens per step")
-    group.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    group.add_argument(
+        "--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens, help="tokens per step"
+    )
+    group.add_argument(
+        "--max-model-len", type=int, default=None, help="context length (default: the model's)"
+    )
     group.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
-    group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
-                       help="decode attention: compiled kernel or gather + SDPA (default: kernel if it builds)")
+    group.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default=None,
+        help="decode attention: compiled kernel or gather + SDPA (default: kernel if it builds)",
+    )
     group.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
 
@@ -59,8 +73,13 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 def sampling_params(args: argparse.Namespace):
     from pagedkv.sampling import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed)
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -92,13 +111,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     script = Path(__file__).resolve().parents[2] / "benchmarks" / f"{args.benchmark}.py"
     if not script.exists():
-        print(f"benchmark script {script} not found: `pagedkv bench` runs from a source checkout", file=sys.stderr)
+        print(
+            f"benchmark script {script} not found: `pagedkv bench` runs from a source checkout",
+            file=sys.stderr,
+        )
         return 2
     return subprocess.call([sys.executable, str(script), *args.bench_args])
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedkv", description="A small, fast LLM inference engine on a paged KV cache.")
+    parser = argparse.ArgumentParser(
+        prog="pagedkv", description="A small, fast LLM inference engine on a paged KV cache."
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -119,22 +143,27 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    serve.add_argument("--served-model-name", default=None, help="model name clients use (default: file name)")
+    serve.add_argument(
+        "--served-model-name", default=None, help="model name clients use (default: file name)"
+    )
     serve.add_argument("--max-queued-requests", type=int, default=256, help="past this, 503")
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="run a benchmark script (gather, attention, throughput)")
     bench.add_argument("benchmark", choices=BENCHMARKS)
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options passed to the script (try --help)")
+    bench.add_argument(
+        "bench_args", nargs=argparse.REMAINDER, help="options passed to the script (try --help)"
+    )
     bench.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     return args.func(args)
 
 

@@ -20,7 +20,9 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         unknown = set(kwargs) - set(EngineConfig.field_names())
         if unknown:
-            raise TypeError(f"unknown LLM option(s) {sorted(unknown)}; valid ones: {EngineConfig.field_names()}")
+            raise TypeError(
+                f"unknown LLM option(s) {sorted(unknown)}; valid ones: {EngineConfig.field_names()}"
+            )
         self.config = EngineConfig(model=model, **kwargs)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
@@ -72,7 +74,11 @@ class LLM:
         ids: list[str] = []
         try:
             for text, tokens, p in zip(texts, token_lists, params):
-                ids.append(self.engine.add_request(prompt=text, prompt_token_ids=tokens, params=p, cache_salt=cache_salt))
+                ids.append(
+                    self.engine.add_request(
+                        prompt=text, prompt_token_ids=tokens, params=p, cache_salt=cache_salt
+                    )
+                )
         except Exception:
             for request_id in ids:
                 self.engine.abort(request_id)
@@ -103,5 +109,7 @@ def _per_prompt(
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * count
     if len(sampling_params) != count:
-        raise ValueError(f"got {len(sampling_params)} SamplingParams for {count} prompts: give one, or one per prompt")
+        raise ValueError(
+            f"got {len(sampling_params)} SamplingParams for {count} prompts: give one, or one per prompt"
+        )
     return list(sampling_params)

@@ -25,6 +25,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from pagedkv.config import cache_root
 from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.spec import ModelSpec
 
@@ -119,11 +120,6 @@ def _eos_token_ids(directory: Path, config: Any, tokenizer: Any) -> set[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(int(v) for v in value)
     return ids
-
-
-def cache_root() -> Path:
-    override = os.environ.get("PAGEDKV_CACHE_DIR")
-    return Path(override).expanduser() if override else Path.home() / ".cache" / "pagedkv"
 
 
 def cache_key(gguf: Path) -> str:

@@ -135,7 +135,7 @@ template <int kDim>
 void qk_scores(float* scores, Vec* partial, const float* q, const float* const* k, int64_t n,
                int64_t runtime_dim) {
   const int64_t dim = kDim > 0 ? kDim : runtime_dim, vec_end = dim / kLanes * kLanes;
-  std::fill(partial, partial + (n + kLanes - 1) / kLanes * kLanes, Vec{});
+  if (vec_end == 0) std::fill(partial, partial + (n + kLanes - 1) / kLanes * kLanes, Vec{});
   for (int64_t c0 = 0; c0 < vec_end; c0 += kRegs * kLanes) {
     const int64_t width = std::min(kRegs * kLanes, vec_end - c0);
     Vec qv[kRegs];
@@ -149,7 +149,7 @@ void qk_scores(float* scores, Vec* partial, const float* q, const float* const* 
         b += qv[c / kLanes + 1] * load(k_row + c + kLanes);
       }
       if (c < width) a += qv[c / kLanes] * load(k_row + c);
-      partial[i] += a + b;
+      partial[i] = c0 == 0 ? a + b : partial[i] + (a + b);
     }
   }
   for (int64_t i = 0; i < n; i += kLanes) store(scores + i, hsum8(partial + i));
