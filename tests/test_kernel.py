@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -70,9 +71,7 @@ def naive(q, k_pool, v_pool, block_tables, seq_lens, scale):
 def test_reference_matches_naive_math(kv_heads, group, dim):
     step = make_step([1, 17, 300, 1000], kv_heads, group, dim, shared=True)
     expected = naive(*step, scale=dim**-0.5)
-    torch.testing.assert_close(
-        decode_attention_reference(*step, scale=dim**-0.5).double(), expected, atol=1e-5, rtol=0
-    )
+    torch.testing.assert_close(decode_attention_reference(*step, scale=dim**-0.5).double(), expected, atol=1e-5, rtol=0)
 
 
 @needs_kernel
@@ -163,6 +162,26 @@ def fresh_build(monkeypatch, tmp_path):
     monkeypatch.setattr(kernel, "_state", kernel._BuildState())
     monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(ENV_VAR, raising=False)
+
+
+@pytest.mark.parametrize("age_s,kept", [(3600, False), (0, True)])
+def test_stale_build_lock_is_removed(fresh_build, monkeypatch, age_s, kept):
+    """torch waits forever on a lock file; one left by a killed build must not hang the next start."""
+    from torch.utils import cpp_extension
+
+    lock = kernel.build_directory() / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    os.utime(lock, (time.time() - age_s,) * 2)
+    seen = []
+
+    def fake_load(**kwargs):
+        seen.append(lock.exists())
+        raise RuntimeError("stop before compiling")
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    assert kernel.kernel_available() is False
+    assert seen == [kept]
 
 
 def _broken_build():

@@ -37,13 +37,9 @@ def resolve_backend(requested: str | None) -> str:
         logger.info("attention backend: 'gather' (the C++ decode kernel is unavailable)")
         return "gather"
     if requested not in BACKENDS:
-        raise ValueError(
-            f"attention backend {requested!r} from {source} is not one of {BACKENDS}: use one of those"
-        )
+        raise ValueError(f"attention backend {requested!r} from {source} is not one of {BACKENDS}: use one of those")
     if requested == "kernel" and not kernel_available():
-        logger.warning(
-            "attention backend 'kernel' was asked for by %s but cannot be built: using 'gather'", source
-        )
+        logger.warning("attention backend 'kernel' was asked for by %s but cannot be built: using 'gather'", source)
         return "gather"
     return requested
 

@@ -21,6 +21,7 @@ import os
 import platform
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 _NAME = "pagedkv_paged_decode"
 _CFLAGS = ("-O3", "-march=native", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
+_STALE_LOCK_S = 600  # a build takes well under a minute; a lock this old belongs to a killed one
 
 
 @dataclass(slots=True)
@@ -89,15 +91,23 @@ def _build() -> Callable[..., Tensor]:
     ``torch.utils.cpp_extension`` and asking ninja would cost ~0.4 s at every engine start.
     """
     directory = build_directory()
-    library = directory / f"{_NAME}.so"
-    if library.exists() and not (directory / "lock").exists():
+    library, lock = directory / f"{_NAME}.so", directory / "lock"
+    if library.exists() and not lock.exists():
         try:
             torch.ops.load_library(str(library))
             return torch.ops.pagedkv.paged_decode
         except (OSError, RuntimeError):
-            logger.debug("cached %s did not load, rebuilding it", library, exc_info=True)
+            logger.debug("cached %s did not load, trying a regular build", library, exc_info=True)
     from torch.utils import cpp_extension
 
+    # torch waits for the lock file forever; one left by a killed build would hang every later start.
+    try:
+        stale = time.time() - lock.stat().st_mtime > _STALE_LOCK_S
+    except FileNotFoundError:
+        stale = False
+    if stale:
+        logger.warning("removing %s, left by a kernel build that did not finish", lock)
+        lock.unlink(missing_ok=True)
     directory.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
         name=_NAME,

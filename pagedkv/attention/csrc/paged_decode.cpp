@@ -1,19 +1,23 @@
 // Paged decode attention that reads K/V straight from the pool through the block table: no gather copy.
 //
-// A work item is one request's context, or a partition of it. It walks the block table a block at a time
-// (prefetching the next block, which the hardware cannot guess) and, for every KV head, dots each K row
-// with all G query heads of that KV head (GQA: one pass over K/V per KV head), keeps an online softmax
-// (running max m, running sum l) per query head and accumulates p * V. A block's K/V for all heads is one
-// contiguous stretch of the pool, so it is read front to back. Items run on torch's intra-op threads and
-// pull work from an atomic counter, longest first; long contexts are cut into partitions when the batch
-// alone cannot keep the threads busy, and the partial results are merged with log-sum-exp (vLLM's paged
-// attention v2 idea).
+// A work item is one request's context, or a partition of it, walked through the block table in tiles of up
+// to 64 tokens (a tile may span blocks; the next tile's rows are prefetched, as the hardware cannot guess
+// scattered blocks but the table can). For every KV head, the G query heads sharing it (GQA) read the tile's
+// K/V rows of that head; each keeps an online softmax (running max m, running sum l) and accumulates p * V.
+// An item handles all heads of its tokens, so it reads each block's K/V -- one contiguous stretch of the
+// pool -- front to back. Items run on torch's intra-op threads and pull work from an atomic counter, longest
+// first; long contexts are cut into partitions when the batch alone cannot keep the threads busy, and the
+// partial results are merged with log-sum-exp (vLLM's paged attention v2 idea).
 //
 // Only the headers it needs (not torch/extension.h): the first build takes a third of the time.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -53,14 +57,20 @@ inline Vec load(const float* p) {
   return v;
 }
 
-// bf16 is the top half of an fp32: widen the 16-bit words and shift them up.
+// bf16 is the top half of an fp32: widen the 16-bit words and shift them up. GCC widens a vector type in
+// two halves, so AVX2 gets the one-instruction widening explicitly.
 inline Vec load(const at::BFloat16* p) {
+#if defined(__AVX2__)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<Vec>(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+#else
   Half8 h;
   std::memcpy(&h, p, sizeof(h));
   const Word8 w = __builtin_convertvector(h, Word8) << 16;
   Vec v;
   std::memcpy(&v, &w, sizeof(v));
   return v;
+#endif
 }
 
 inline float hsum(Vec v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
@@ -84,8 +94,9 @@ inline Vec hsum8(const Vec* v) {
 #endif
 }
 
-// exp(x) for x <= 0 (scores minus their running max): 2^n * poly(r) with x = n ln2 + r, relative error
-// ~1e-7. Inputs below -87 are clamped: their weight (< 1e-37) is nothing next to the max's weight of 1.
+// exp(x) for x <= 0 (scores minus their running max): 2^n * poly(r) with x = n ln2 + r and Cephes' expf
+// polynomial, relative error ~1e-7. Inputs below -87 are clamped: their weight (< 1e-37) is nothing next to
+// the max's weight of 1.
 inline Vec exp_nonpositive(Vec x) {
   const Vec lo = splat(-87.0f), round = splat(12582912.0f);  // adding 1.5 * 2^23 rounds to an integer
   x = x < lo ? lo : x;
