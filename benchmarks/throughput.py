@@ -120,10 +120,6 @@ def summarize(results: list[RunResult]) -> dict:
     if fp32 and fast and fp32.outputs and fast.outputs:
         same = sum(a == b for a, b in zip(fp32.outputs, fast.outputs))
         summary["fastest_outputs_equal_fp32"] = f"{same}/{len(fp32.outputs)}"
-    if fp32 and hf and hf.outputs:
-        summary["fp32_outputs_equal_hf"] = (
-            f"{sum(a == b for a, b in zip(fp32.outputs, hf.outputs))}/{len(hf.outputs)}"
-        )
     return summary
 
 
