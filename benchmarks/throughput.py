@@ -60,9 +60,7 @@ def run_pagedkv(name: str, options: dict, conversations, max_new_tokens: int, th
     llm.reset_prefix_cache()
     before = llm.stats()
     start = time.perf_counter()
-    outputs = llm.chat(
-        conversations, SamplingParams(max_tokens=max_new_tokens, temperature=0), use_tqdm=False
-    )
+    outputs = llm.chat(conversations, SamplingParams(max_tokens=max_new_tokens, temperature=0), use_tqdm=False)
     wall = time.perf_counter() - start
     after = llm.stats()
     tpots = [
@@ -87,9 +85,9 @@ def run_pagedkv(name: str, options: dict, conversations, max_new_tokens: int, th
 def load_conversations(path: Path, max_requests: int | None) -> tuple[list, int]:
     data = json.loads(path.read_text())
     questions = data["questions"][:max_requests]
-    return [
-        [{"role": "system", "content": data["system"]}, {"role": "user", "content": q}] for q in questions
-    ], int(data.get("max_new_tokens", 64))
+    return [[{"role": "system", "content": data["system"]}, {"role": "user", "content": q}] for q in questions], int(
+        data.get("max_new_tokens", 64)
+    )
 
 
 def load_hf_model(threads: int):
@@ -114,9 +112,7 @@ def summarize(results: list[RunResult]) -> dict:
     if fast and llama:
         summary["fastest_vs_llama_cpp"] = round(tps[fast.name] / tps[llama.name], 2)
     if fp32 and off and off.prompt_tokens_computed:
-        summary["prompt_computed_on_vs_off"] = round(
-            fp32.prompt_tokens_computed / off.prompt_tokens_computed, 3
-        )
+        summary["prompt_computed_on_vs_off"] = round(fp32.prompt_tokens_computed / off.prompt_tokens_computed, 3)
     if fp32 and fast and fp32.outputs and fast.outputs:
         same = sum(a == b for a, b in zip(fp32.outputs, fast.outputs))
         summary["fastest_outputs_equal_fp32"] = f"{same}/{len(fp32.outputs)}"
@@ -144,14 +140,12 @@ def plot(results: list[RunResult], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", type=Path, default=ROOT / "workloads" / "chat_shared_prefix.json")
     parser.add_argument("--max-requests", type=int, default=None)
     parser.add_argument("--max-new-tokens", type=int, default=None, help="override the workload's")
     parser.add_argument(
-        "--quick", action="store_true", help="4 requests, 16 tokens, pagedkv fp32 + HF generate only"
+        "--quick", action="store_true", help="4 requests, 16 tokens, pagedkv fp32 with and without prefix caching"
     )
     parser.add_argument(
         "--skip",
@@ -166,7 +160,7 @@ def main() -> None:
     skip = set(args.skip)
     if args.quick:
         args.max_requests, args.max_new_tokens = args.max_requests or 4, args.max_new_tokens or 16
-        skip |= {"hf-batch", "llama", "pagedkv-fast"}
+        skip |= {"hf", "hf-batch", "llama", "pagedkv-fast"}
     torch.set_num_threads(args.threads)
     conversations, max_new_tokens = load_conversations(args.workload, args.max_requests)
     max_new_tokens = args.max_new_tokens or max_new_tokens
@@ -178,17 +172,16 @@ def main() -> None:
         if skips.get(name) not in skip:
             print(f"running {name} ...", file=log, flush=True)
             results.append(run_pagedkv(name, options, conversations, max_new_tokens, args.threads))
-    reference = LLM(num_threads=args.threads)
-    prompts = [reference.engine.apply_chat_template(c) for c in conversations]
-    eos_ids = set(reference.engine.eos_token_ids)
-    del reference
+    if not {"hf", "hf-batch", "llama"} <= skip:
+        reference = LLM(num_threads=args.threads)
+        prompts = [reference.engine.apply_chat_template(c) for c in conversations]
+        eos_ids = set(reference.engine.eos_token_ids)
+        del reference
     if not {"hf", "hf-batch"} <= skip:
         model = load_hf_model(args.threads)
         if "hf" not in skip:
             print("running HF transformers generate ...", file=log, flush=True)
-            results.append(
-                run_hf_generate(model, prompts, max_new_tokens, pad_id=min(eos_ids), eos_ids=eos_ids)
-            )
+            results.append(run_hf_generate(model, prompts, max_new_tokens, pad_id=min(eos_ids), eos_ids=eos_ids))
         if "hf-batch" not in skip:
             print("running HF transformers generate_batch ...", file=log, flush=True)
             try:
@@ -229,11 +222,7 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "throughput.md").write_text(
         f"Workload: {args.workload.name}, {len(conversations)} requests, {max_new_tokens} new tokens, "
-        f"greedy; {machine}\n\n"
-        + markdown
-        + "\n\n"
-        + "\n".join(f"- {k}: {v}" for k, v in summary.items())
-        + "\n"
+        f"greedy; {machine}\n\n" + markdown + "\n\n" + "\n".join(f"- {k}: {v}" for k, v in summary.items()) + "\n"
     )
     plot(results, args.out_dir / "throughput.png")
     data = {

@@ -38,10 +38,7 @@ def test_gather_quick_json(tmp_path):
         assert set(row["times_us"]) == set(row["min_us"]) == set(METHODS)
         assert all(row["min_us"][m] <= row["times_us"][m] for m in METHODS)
         assert all(math.isfinite(t) and t > 0 for t in row["times_us"].values())
-        assert (
-            row["bytes"]
-            == row["seq_len"] * row["num_kv_heads"] * row["head_dim"] * ELEMENT_SIZE[row["dtype"]]
-        )
+        assert row["bytes"] == row["seq_len"] * row["num_kv_heads"] * row["head_dim"] * ELEMENT_SIZE[row["dtype"]]
         assert math.isclose(row["loop_over_ours"], row["times_us"]["loop"] / row["times_us"]["gather_kv"])
         assert math.isclose(row["ours_over_floor"], row["times_us"]["gather_kv"] / row["times_us"]["floor"])
     (accepted,) = summary["acceptance"]
@@ -49,3 +46,35 @@ def test_gather_quick_json(tmp_path):
     assert isinstance(accepted["met"], bool)
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "loop/ours" in result.stderr  # the human table goes to stderr when stdout carries JSON
+
+
+def test_attention_quick_json():
+    result = subprocess.run(
+        [sys.executable, "benchmarks/attention.py", "--quick", "--json", "--threads", "1", "--plot", ""],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["rows"], "quick mode must still time something"
+
+
+def test_throughput_quick_json(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "benchmarks/throughput.py", "--quick", "--json", "--threads", "1", "--out-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    engines = [row["engine"] for row in summary["results"]]
+    assert engines == ["pagedkv fp32, prefix caching", "pagedkv fp32, no prefix caching"]
+    on, off = summary["results"]
+    assert on["prompt_tokens"] == off["prompt_tokens"] and off["prefix_hit_rate"] == 0
+    assert on["prompt_tokens_computed"] < off["prompt_tokens_computed"]
+    assert all(row["output_tok_s"] > 0 for row in summary["results"])
+    assert (tmp_path / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
