@@ -16,19 +16,25 @@ METHODS = ["loop", "indexed", "gather_kv", "slots+sel", "slots_out", "floor"]
 ELEMENT_SIZE = {"float32": 4, "bfloat16": 2}
 
 
-def test_gather_quick_json(tmp_path):
-    plot, out_json = tmp_path / "gather.png", tmp_path / "gather.json"
+def run_quick_json(script: str, *options: str) -> dict:
+    """Run ``benchmarks/<script> --quick --json`` with one thread and return its JSON summary.
+
+    One thread: on a shared 2-core machine a 2-thread op can stall for milliseconds per call.
+    """
     result = subprocess.run(
-        # One thread: on a shared 2-core machine a 2-thread op can stall for milliseconds per call.
-        [sys.executable, "benchmarks/gather.py", "--quick", "--json", "--threads", "1"]
-        + ["--plot", str(plot), "--out-json", str(out_json)],
+        [sys.executable, f"benchmarks/{script}", "--quick", "--json", "--threads", "1", *options],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr
-    summary = json.loads(result.stdout)
+    return json.loads(result.stdout)
+
+
+def test_gather_quick_json(tmp_path):
+    plot, out_json = tmp_path / "gather.png", tmp_path / "gather.json"
+    summary = run_quick_json("gather.py", "--plot", str(plot), "--out-json", str(out_json))
     assert summary == json.loads(out_json.read_text())
     assert summary["benchmark"] == "gather" and summary["unit"] == "us" and summary["quick"] is True
     assert summary["methods"] == METHODS
@@ -45,32 +51,15 @@ def test_gather_quick_json(tmp_path):
     assert set(accepted) == {"num_kv_heads", "head_dim", "loop_over_ours", "ours_over_floor", "met"}
     assert isinstance(accepted["met"], bool)
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "loop/ours" in result.stderr  # the human table goes to stderr when stdout carries JSON
 
 
 def test_attention_quick_json():
-    result = subprocess.run(
-        [sys.executable, "benchmarks/attention.py", "--quick", "--json", "--threads", "1", "--plot", ""],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr
-    summary = json.loads(result.stdout)
+    summary = run_quick_json("attention.py", "--plot", "")
     assert summary["rows"], "quick mode must still time something"
 
 
 def test_throughput_quick_json(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "benchmarks/throughput.py", "--quick", "--json", "--threads", "1", "--out-dir", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr
-    summary = json.loads(result.stdout)
+    summary = run_quick_json("throughput.py", "--out-dir", str(tmp_path))
     engines = [row["engine"] for row in summary["results"]]
     assert engines == ["pagedkv fp32, prefix caching", "pagedkv fp32, no prefix caching"]
     on, off = summary["results"]
