@@ -38,7 +38,8 @@ def native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-FASTEST_DTYPE = "bfloat16" if native_bf16() else "float32"
+# bf16 linears where the CPU has bf16 GEMMs; elsewhere fp32 plus the GGUF's exact 4-bit codes for small steps
+FASTEST_DTYPE = "bfloat16" if native_bf16() else "q4"
 PAGEDKV_CONFIGS = {
     "pagedkv fp32, prefix caching": {"dtype": "float32", "enable_prefix_caching": True},
     "pagedkv fp32, no prefix caching": {"dtype": "float32", "enable_prefix_caching": False},

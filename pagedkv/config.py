@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "q4")
 ATTENTION_BACKENDS = ("kernel", "gather")
 
 

@@ -12,7 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from pagedkv.model import q4
+from pagedkv.model.q4 import Q4Weight
+
+# "q4": fp32 weights and math, plus the GGUF file's exact 4-bit codes for small batches (see Linear.use_q4)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "q4": torch.float32}
 # relative distance below a row's top bf16 logit within which the order is unreliable: two roundings of
 # 2**-8 each, plus the bf16 rounding of the GEMM's input, with room to spare
 _BF16_TIE_MARGIN = 2.0**-6
@@ -20,6 +24,7 @@ _BF16_TIE_MARGIN = 2.0**-6
 # ``x @ W^T`` at this model's shapes on the 2-core AVX2 dev machine (LM head, 32 rows: 25 vs 39 ms);
 # outside that range F.linear was as fast or faster. Re-measure with benchmarks/linear_layout.py on a new machine.
 _TRANSPOSED_GEMM_ROWS = (8, 512)
+_Q4_MAX_ROWS = 8
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -45,8 +50,22 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = empty_parameter(out_features, in_features, dtype=dtype)
         self.bias = empty_parameter(out_features, dtype=dtype) if bias else None
+        self.q4: Q4Weight | None = None
+
+    def use_q4(self) -> bool:
+        """Keep a 4-bit copy of the weight when it is exactly Q4_1-coded (a GGUF Q4_1 model), for decode steps.
+
+        The codes reproduce the fp32 weight exactly, so results differ from fp32 only by summation order.
+        Small batches are memory bound: reading 4-bit codes instead of fp32 ran 1.4-3x faster up to 8 rows
+        (benchmarks/q4_linear.py); from ~16 rows MKL's fp32 GEMM wins, so larger steps keep using it.
+        """
+        self.q4 = q4.encode(self.weight.data) if self.weight.dtype == torch.float32 else None
+        return self.q4 is not None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.q4 is not None and x.dim() == 2 and x.shape[0] <= _Q4_MAX_ROWS:
+            out = q4.q4_linear(x, self.q4)
+            return out if self.bias is None else out.add_(self.bias)
         w = self.weight
         if w.dtype != x.dtype:
             return F.linear(x.to(w.dtype), w, self.bias).to(x.dtype)

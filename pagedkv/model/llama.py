@@ -100,6 +100,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_positions, spec.rope)
 
+    def use_q4_weights(self) -> int:
+        """Give every exactly Q4_1-coded linear layer its 4-bit copy; returns how many layers got one."""
+        return sum(m.use_q4() for m in self.modules() if isinstance(m, Linear) and not isinstance(m, LMHead))
+
     @property
     def num_layers(self) -> int:
         return self.spec.num_layers

@@ -78,6 +78,10 @@ def load_model(path: str | None, dtype: str = "float32", attention_backend: str 
     config = transformers.AutoConfig.from_pretrained(directory)
     model = LlamaForCausalLM(config, dtype=dtype, attention_backend=attention_backend)
     model.load_weights(_read_safetensors(directory))
+    if dtype == "q4":
+        encoded = model.use_q4_weights()
+        if not encoded:
+            logger.warning("dtype 'q4': no linear layer of %s holds Q4_1-coded weights; running plain fp32", source)
     model.eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     return LoadedModel(
