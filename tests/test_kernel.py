@@ -14,6 +14,7 @@ import torch
 from pagedkv.attention import backend, kernel
 from pagedkv.attention.backend import ENV_VAR, decode_attention, resolve_backend
 from pagedkv.attention.kernel import decode_attention_kernel, decode_attention_reference
+from pagedkv.config import cache_root
 from pagedkv.kv import ops
 
 HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
@@ -148,7 +149,7 @@ def test_bad_inputs_raise_value_errors(built):
 def test_build_is_cached_per_machine(built):
     directory = kernel.build_directory()
     assert (directory / f"{kernel._NAME}.so").exists(), sorted(p.name for p in directory.parent.glob("*/*"))
-    assert kernel.build_directory().is_relative_to(kernel.cache_dir())
+    assert kernel.build_directory().is_relative_to(cache_root())
 
 
 def test_cache_dir_follows_env(monkeypatch, tmp_path):

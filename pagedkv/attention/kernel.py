@@ -5,23 +5,15 @@ pool, so a decode step moves no K/V at all; the reference gathers every request'
 ``index_select`` and runs SDPA. Both take the same arguments and give the same numbers, so the engine can
 use the reference wherever the kernel cannot be built.
 
-The kernel is compiled on first use with ``torch.utils.cpp_extension`` into a per-machine cache,
-``~/.cache/pagedkv/torch_extensions/<hash>`` (``$PAGEDKV_CACHE_DIR`` replaces ``~/.cache/pagedkv``). The hash
-covers the source, the flags, torch, Python and the CPU's instruction set, so a build is reused only where it
-is valid (``-march=native`` code must not run on another CPU). Concurrent first builds in one directory are
-serialised by torch's lock file there. There is no ``-ffast-math``: the kernel is vectorised by hand already,
+The kernel is compiled on first use into a per-machine cache (see ``pagedkv.extension``). There is no
+``-ffast-math``: the kernel is vectorised by hand already,
 and it relies on ``-inf`` (the empty running max, masked lanes), which finite-math mode may drop.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import platform
-import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pagedkv import extension
 from pagedkv.kv import ops
 
 logger = logging.getLogger(__name__)
@@ -38,7 +31,6 @@ _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 _NAME = "pagedkv_paged_decode"
 _CFLAGS = ("-O3", "-march=native", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
-_STALE_LOCK_S = 600  # a build takes well under a minute; a lock this old belongs to a killed one
 
 
 @dataclass(slots=True)
@@ -54,79 +46,15 @@ _state = _BuildState()
 _lock = threading.Lock()
 
 
-def cache_dir() -> Path:
-    """Root of pagedkv's per-machine caches: ``$PAGEDKV_CACHE_DIR``, else ``~/.cache/pagedkv``."""
-    override = os.environ.get("PAGEDKV_CACHE_DIR")
-    return Path(override).expanduser() if override else Path.home() / ".cache" / "pagedkv"
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
-
-
 def build_directory() -> Path:
     """Where this source, built with these flags for this torch, Python and CPU, lives."""
-    key = hashlib.sha256()
-    for part in (
-        _SOURCE.read_bytes(),
-        " ".join(_CFLAGS + _LDFLAGS).encode(),
-        torch.__version__.encode(),
-        sys.version.encode(),
-        platform.machine().encode(),
-        _cpu_flags().encode(),
-    ):
-        key.update(part)
-        key.update(b"\0")
-    return cache_dir() / "torch_extensions" / key.hexdigest()[:16]
+    return extension.build_directory(_SOURCE, _CFLAGS + _LDFLAGS)
 
 
 def _build() -> Callable[..., Tensor]:
-    """Load the cached library, else compile it; return the op it registers in ``torch.ops.pagedkv``.
-
-    A finished build (library present, no lock file of a build in progress) is loaded directly: importing
-    ``torch.utils.cpp_extension`` and asking ninja would cost ~0.4 s at every engine start.
-    """
-    directory = build_directory()
-    library, lock = directory / f"{_NAME}.so", directory / "lock"
-    if library.exists() and not lock.exists():
-        try:
-            torch.ops.load_library(str(library))
-            return torch.ops.pagedkv.paged_decode
-        except (OSError, RuntimeError):
-            logger.debug("cached %s did not load, trying a regular build", library, exc_info=True)
-    from torch.utils import cpp_extension
-
-    # torch waits for the lock file forever; one left by a killed build would hang every later start.
-    try:
-        stale = time.time() - lock.stat().st_mtime > _STALE_LOCK_S
-    except FileNotFoundError:
-        stale = False
-    if stale:
-        logger.warning("removing %s, left by a kernel build that did not finish", lock)
-        lock.unlink(missing_ok=True)
-    directory.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name=_NAME,
-        sources=[str(_SOURCE)],
-        extra_cflags=list(_CFLAGS),
-        extra_ldflags=list(_LDFLAGS),  # fresh lists: torch appends its own flags to them
-        build_directory=str(directory),
-        verbose=False,
-        is_python_module=False,
-    )
+    """Load or compile the library; return the op it registers in ``torch.ops.pagedkv``."""
+    extension.load_or_build(_NAME, _SOURCE, _CFLAGS, _LDFLAGS, build_directory())
     return torch.ops.pagedkv.paged_decode
-
-
-def _summary(exc: BaseException) -> str:
-    """One line of a build failure: the compiler's first error if the message has one, else its last line."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    errors = [line for line in lines if "error:" in line.lower()]
-    line = errors[0] if errors else (lines[-1] if lines else "no message")
-    return f"{type(exc).__name__}: {line}"[:300]
 
 
 def kernel_available() -> bool:
@@ -138,7 +66,7 @@ def kernel_available() -> bool:
                 _state.op = _build()
             # Whatever stops the build (no compiler, no ninja, a compile error) means: use the fallback.
             except Exception as exc:
-                _state.error = _summary(exc)
+                _state.error = extension.summarize_error(exc)
                 logger.debug("C++ decode kernel build failed", exc_info=True)
                 logger.warning(
                     "pagedkv: the C++ decode attention kernel could not be built (%s); decode attention "

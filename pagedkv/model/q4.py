@@ -8,18 +8,14 @@ compressed layer computes with the file's weights, not an approximation of them.
 the 4-bit codes plus fp32 ``d``/``m`` (0.75 bytes a weight), which is what bounds decode-size GEMMs on CPU.
 
 The kernel (``attention/csrc/q4_linear.cpp``, shipped with the package data there) is built on first use
-like the decode attention kernel: cached under ``<cache_dir>/torch_extensions/q4-<hash>``, keyed by source,
+like the decode attention kernel: cached under ``<cache_root>/torch_extensions/q4-<hash>``, keyed by source,
 flags, torch, Python and CPU flags. :func:`kernel_available` says whether it could be built.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import platform
-import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from pagedkv.attention.kernel import _cpu_flags, _summary, cache_dir
+from pagedkv import extension
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +33,6 @@ _SOURCE = Path(__file__).parent.parent / "attention" / "csrc" / "q4_linear.cpp"
 _NAME = "pagedkv_q4_linear"
 _CFLAGS = ("-O3", "-march=native", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
-_STALE_LOCK_S = 600  # a build takes well under a minute
 
 
 @dataclass(slots=True)
@@ -117,49 +112,12 @@ _lock = threading.Lock()
 
 def build_directory() -> Path:
     """Where this source, built with these flags for this torch, Python and CPU, lives."""
-    key = hashlib.sha256()
-    for part in (
-        _SOURCE.read_bytes(),
-        " ".join(_CFLAGS + _LDFLAGS).encode(),
-        torch.__version__.encode(),
-        sys.version.encode(),
-        platform.machine().encode(),
-        _cpu_flags().encode(),
-    ):
-        key.update(part)
-        key.update(b"\0")
-    return cache_dir() / "torch_extensions" / f"q4-{key.hexdigest()[:16]}"
+    return extension.build_directory(_SOURCE, _CFLAGS + _LDFLAGS, prefix="q4-")
 
 
 def _build() -> Callable[..., Tensor]:
-    """Load the cached library, else compile it; return ``torch.ops.pagedkv_q4.q4_linear``."""
-    directory = build_directory()
-    library, lock = directory / f"{_NAME}.so", directory / "lock"
-    if library.exists() and not lock.exists():
-        try:
-            torch.ops.load_library(str(library))
-            return torch.ops.pagedkv_q4.q4_linear
-        except (OSError, RuntimeError):
-            logger.debug("cached %s did not load, trying a regular build", library, exc_info=True)
-    from torch.utils import cpp_extension
-
-    # torch waits forever on a lock file; one left by a killed build would hang every later start.
-    try:
-        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
-            logger.warning("removing %s, left by a Q4 kernel build that did not finish", lock)
-            lock.unlink(missing_ok=True)
-    except FileNotFoundError:
-        pass
-    directory.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name=_NAME,
-        sources=[str(_SOURCE)],
-        extra_cflags=list(_CFLAGS),
-        extra_ldflags=list(_LDFLAGS),
-        build_directory=str(directory),
-        verbose=False,
-        is_python_module=False,
-    )
+    """Load or compile the library; return ``torch.ops.pagedkv_q4.q4_linear``."""
+    extension.load_or_build(_NAME, _SOURCE, _CFLAGS, _LDFLAGS, build_directory())
     return torch.ops.pagedkv_q4.q4_linear
 
 
@@ -171,7 +129,7 @@ def kernel_available() -> bool:
             try:
                 _state.op = _build()
             except Exception as exc:  # no compiler, no ninja, a compile error: callers keep fp32
-                _state.error = _summary(exc)
+                _state.error = extension.summarize_error(exc)
                 logger.warning("pagedkv: the Q4 linear kernel could not be built (%s)", _state.error)
         return _state.op is not None
 
