@@ -12,8 +12,9 @@ import hashlib
 import logging
 import platform
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -89,3 +90,32 @@ def summarize_error(exc: BaseException) -> str:
     errors = [line for line in lines if "error:" in line.lower()]
     line = errors[0] if errors else (lines[-1] if lines else "no message")
     return f"{type(exc).__name__}: {line}"[:300]
+
+
+class BuildOnce:
+    """The one build attempt per process of a compiled op: the op, or why there is none (thread-safe)."""
+
+    def __init__(self, what: str, fallback: str) -> None:
+        self.what = what  # names the op in the warning
+        self.fallback = fallback  # says what runs instead
+        self.tried = False
+        self.op: Callable | None = None
+        self.error: str | None = None
+        self._lock = threading.Lock()
+
+    def fresh(self) -> BuildOnce:
+        """A state that has not tried yet (tests use it to simulate a new process)."""
+        return BuildOnce(self.what, self.fallback)
+
+    def available(self, build: Callable[[], Callable]) -> bool:
+        """Run ``build`` on the first call; False, with one warning, if it failed (no compiler, no ninja, ...)."""
+        with self._lock:
+            if not self.tried:
+                self.tried = True
+                try:
+                    self.op = build()
+                except Exception as exc:  # whatever stops the build means: use the fallback
+                    self.error = summarize_error(exc)
+                    logger.debug("%s build failed", self.what, exc_info=True)
+                    logger.warning("pagedkv: the %s could not be built (%s); %s", self.what, self.error, self.fallback)
+            return self.op is not None

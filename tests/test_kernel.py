@@ -160,7 +160,7 @@ def test_cache_dir_follows_env(monkeypatch, tmp_path):
 @pytest.fixture
 def fresh_build(monkeypatch, tmp_path):
     """A process that has not tried to build yet, with an empty cache; the real state comes back after."""
-    monkeypatch.setattr(kernel, "_state", kernel._BuildState())
+    monkeypatch.setattr(kernel, "_state", kernel._state.fresh())
     monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(ENV_VAR, raising=False)
 

@@ -13,9 +13,7 @@ and it relies on ``-inf`` (the empty running max, masked lanes), which finite-ma
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,17 +31,10 @@ _CFLAGS = ("-O3", "-march=native", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 
 
-@dataclass(slots=True)
-class _BuildState:
-    """The outcome of the one build attempt per process: the registered op, or why there is none."""
-
-    tried: bool = False
-    op: Callable[..., Tensor] | None = None
-    error: str | None = None
-
-
-_state = _BuildState()
-_lock = threading.Lock()
+_state = extension.BuildOnce(
+    "C++ decode attention kernel",
+    "decode attention uses the gather + SDPA fallback (PAGEDKV_ATTENTION_BACKEND=gather skips the attempt)",
+)
 
 
 def build_directory() -> Path:
@@ -59,21 +50,7 @@ def _build() -> Callable[..., Tensor]:
 
 def kernel_available() -> bool:
     """Build (first call in this process) or load the C++ kernel; False, with one warning, if that fails."""
-    with _lock:
-        if not _state.tried:
-            _state.tried = True
-            try:
-                _state.op = _build()
-            # Whatever stops the build (no compiler, no ninja, a compile error) means: use the fallback.
-            except Exception as exc:
-                _state.error = extension.summarize_error(exc)
-                logger.debug("C++ decode kernel build failed", exc_info=True)
-                logger.warning(
-                    "pagedkv: the C++ decode attention kernel could not be built (%s); decode attention "
-                    "uses the gather + SDPA fallback (PAGEDKV_ATTENTION_BACKEND=gather skips the attempt)",
-                    _state.error,
-                )
-        return _state.op is not None
+    return _state.available(lambda: _build())  # looked up at call time, so a replaced _build is used
 
 
 def _check_common(q: Tensor, k_pool: Tensor, v_pool: Tensor) -> None:

@@ -15,7 +15,6 @@ flags, torch, Python and CPU flags. :func:`kernel_available` says whether it cou
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,15 +98,7 @@ def _groups(w: Tensor, rtol: float, atol: float) -> Q4Weight | None:
     return Q4Weight(packed.reshape(n, k // 2).contiguous(), d.contiguous(), low.contiguous())
 
 
-@dataclass(slots=True)
-class _BuildState:
-    tried: bool = False
-    op: Callable[..., Tensor] | None = None
-    error: str | None = None
-
-
-_state = _BuildState()
-_lock = threading.Lock()
+_state = extension.BuildOnce("Q4 linear kernel", "linear layers keep their fp32 weights")
 
 
 def build_directory() -> Path:
@@ -123,15 +114,7 @@ def _build() -> Callable[..., Tensor]:
 
 def kernel_available() -> bool:
     """Build (first call in this process) or load the kernel; False, with one warning, if that fails."""
-    with _lock:
-        if not _state.tried:
-            _state.tried = True
-            try:
-                _state.op = _build()
-            except Exception as exc:  # no compiler, no ninja, a compile error: callers keep fp32
-                _state.error = extension.summarize_error(exc)
-                logger.warning("pagedkv: the Q4 linear kernel could not be built (%s)", _state.error)
-        return _state.op is not None
+    return _state.available(lambda: _build())  # looked up at call time, so a replaced _build is used
 
 
 def q4_linear(x: Tensor, weight: Q4Weight) -> Tensor:
