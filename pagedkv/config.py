@@ -8,6 +8,7 @@ from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "q4")
 ATTENTION_BACKENDS = ("kernel", "gather")
+LINEAR_BACKENDS = ("panel", "torch")
 
 
 @dataclass(slots=True)
@@ -16,7 +17,10 @@ class EngineConfig:
 
     `num_kv_blocks=None` sizes the pool from `kv_cache_memory_gb`. `max_model_len=None` takes the model's
     own context length. `attention_backend=None` means: `$PAGEDKV_ATTENTION_BACKEND` if set, else the
-    compiled kernel when it builds, else the gather path.
+    compiled kernel when it builds, else the gather path. `linear_backend=None` likewise means
+    `$PAGEDKV_LINEAR_BACKEND`, else the compiled panel GEMM for steps of up to 128 rows when it builds,
+    else torch's GEMM everywhere. `dtype="q4"` reads the GGUF file's exact 4-/8-bit codes and needs the
+    panel GEMM.
     """
 
     model: str | None = None
@@ -29,6 +33,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str | None = None
+    linear_backend: str | None = None
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
@@ -37,9 +42,7 @@ class EngineConfig:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(
-                f"num_kv_blocks must be >= 1 (or None to size it automatically), got {self.num_kv_blocks}"
-            )
+            raise ValueError(f"num_kv_blocks must be >= 1 (or None to size it automatically), got {self.num_kv_blocks}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.max_num_seqs < 1:
@@ -52,6 +55,8 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS} or None, got {self.attention_backend!r}"
             )
+        if self.linear_backend is not None and self.linear_backend not in LINEAR_BACKENDS:
+            raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS} or None, got {self.linear_backend!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 

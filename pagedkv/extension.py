@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import platform
 import sys
 import threading
@@ -34,11 +35,12 @@ def cpu_flags() -> str:
         return ""
 
 
-def build_directory(source: Path, flags: Sequence[str], prefix: str = "") -> Path:
-    """Where this source, built with these flags for this torch, Python and CPU, lives."""
+def build_directory(source: Path | Sequence[Path], flags: Sequence[str], prefix: str = "") -> Path:
+    """Where this source (or these sources), built with these flags for this torch, Python and CPU, lives."""
+    sources = [source] if isinstance(source, Path) else list(source)
     key = hashlib.sha256()
     for part in (
-        source.read_bytes(),
+        *(s.read_bytes() for s in sources),
         " ".join(flags).encode(),
         torch.__version__.encode(),
         sys.version.encode(),
@@ -50,7 +52,9 @@ def build_directory(source: Path, flags: Sequence[str], prefix: str = "") -> Pat
     return cache_root() / "torch_extensions" / f"{prefix}{key.hexdigest()[:16]}"
 
 
-def load_or_build(name: str, source: Path, cflags: Sequence[str], ldflags: Sequence[str], directory: Path) -> None:
+def load_or_build(
+    name: str, source: Path | Sequence[Path], cflags: Sequence[str], ldflags: Sequence[str], directory: Path
+) -> None:
     """Load the cached library into ``torch.ops``, else compile it there (raises if that fails).
 
     A finished build (library present, no lock file of a build in progress) is loaded directly: importing
@@ -75,7 +79,7 @@ def load_or_build(name: str, source: Path, cflags: Sequence[str], ldflags: Seque
     directory.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
         name=name,
-        sources=[str(source)],
+        sources=[str(source)] if isinstance(source, Path) else [str(s) for s in source],
         extra_cflags=list(cflags),
         extra_ldflags=list(ldflags),  # fresh lists: torch appends its own flags to them
         build_directory=str(directory),
@@ -119,3 +123,32 @@ class BuildOnce:
                     logger.debug("%s build failed", self.what, exc_info=True)
                     logger.warning("pagedkv: the %s could not be built (%s); %s", self.what, self.error, self.fallback)
             return self.op is not None
+
+
+def choose_backend(
+    requested: str | None,
+    env_var: str,
+    choices: tuple[str, str],
+    available: Callable[[], bool],
+    what: str,
+) -> str:
+    """``choices[0]`` (a compiled op) or ``choices[1]`` (its PyTorch fallback) for ``what``.
+
+    The argument wins, then ``$env_var``, then the compiled op if it builds. Asking for the compiled op
+    where it cannot be built falls back with a warning rather than failing: an engine must start anyway.
+    """
+    compiled, fallback = choices
+    source = f"the {what} argument"
+    if requested is None and os.environ.get(env_var, "").strip():
+        requested, source = os.environ[env_var].strip(), f"${env_var}"
+    if requested is None:
+        if available():
+            return compiled
+        logger.info("%s: %r (the compiled one is unavailable)", what, fallback)
+        return fallback
+    if requested not in choices:
+        raise ValueError(f"{what} {requested!r} from {source} is not one of {choices}: use one of those")
+    if requested == compiled and not available():
+        logger.warning("%s %r was asked for by %s but cannot be built: using %r", what, compiled, source, fallback)
+        return fallback
+    return requested

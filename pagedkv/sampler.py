@@ -56,8 +56,9 @@ def _flat_keys(rows: list[int], seqs: list[Sequence[int]], vocab: int, device: t
     return torch.repeat_interleave(torch.tensor(rows, device=device) * vocab, lengths) + tokens
 
 
-def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompts: list[Sequence[int]],
-                    outputs: list[Sequence[int]]) -> None:
+def apply_penalties(
+    logits: torch.Tensor, params: list[SamplingParams], prompts: list[Sequence[int]], outputs: list[Sequence[int]]
+) -> None:
     """In place on a contiguous [S, V] block, with vLLM's semantics: repetition divides positive and
     multiplies negative logits of tokens seen in prompt or output; frequency subtracts once per output
     occurrence, presence once per distinct output token. Rows whose params have no penalty are untouched.
@@ -69,10 +70,12 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompts:
     vocab, device, flat = logits.shape[1], logits.device, logits.view(-1)
     rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if rep_rows:
-        keys = torch.cat([
-            _flat_keys(rep_rows, [prompts[i] for i in rep_rows], vocab, device),
-            _flat_keys(rep_rows, [outputs[i] for i in rep_rows], vocab, device),
-        ]).unique()
+        keys = torch.cat(
+            [
+                _flat_keys(rep_rows, [prompts[i] for i in rep_rows], vocab, device),
+                _flat_keys(rep_rows, [outputs[i] for i in rep_rows], vocab, device),
+            ]
+        ).unique()
         rep = torch.tensor([p.repetition_penalty for p in params], device=device)[keys // vocab]
         values = flat[keys]
         flat[keys] = torch.where(values > 0, values / rep, values * rep)
@@ -111,8 +114,7 @@ class Sampler:
             raise ValueError("generators, prompt_token_ids and output_token_ids need one entry per row")
         # The engine calls this every step and plain greedy decoding is the common case: one argmax.
         if all(
-            p.temperature < SAMPLING_EPS and p.logprobs is None and not p.has_penalties
-            and p.min_tokens <= len(out)
+            p.temperature < SAMPLING_EPS and p.logprobs is None and not p.has_penalties and p.min_tokens <= len(out)
             for p, out in zip(params, output_token_ids, strict=True)
         ):
             return SamplerOutput(logits.argmax(dim=-1).tolist())
@@ -141,8 +143,7 @@ class Sampler:
             _fill_logprobs(out, logits.float(), token_ids, params)
         return out
 
-    def _mask_stop_ids(self, logits: torch.Tensor, params: list[SamplingParams],
-                       outputs: list[Sequence[int]]) -> None:
+    def _mask_stop_ids(self, logits: torch.Tensor, params: list[SamplingParams], outputs: list[Sequence[int]]) -> None:
         """Below min_tokens a row may not end: its EOS (unless ignore_eos) and stop_token_ids get -inf."""
         rows: list[int] = []
         cols: list[int] = []
@@ -233,8 +234,9 @@ def _draw(logits: torch.Tensor, generators: list[torch.Generator | None]) -> tor
     return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
-def _fill_logprobs(out: SamplerOutput, raw: torch.Tensor, token_ids: torch.Tensor,
-                   params: list[SamplingParams]) -> None:
+def _fill_logprobs(
+    out: SamplerOutput, raw: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]
+) -> None:
     """Sampled-token logprob for every row, top-N for rows that asked, all from the raw logits."""
     logprobs = raw.log_softmax(dim=-1)
     out.logprobs = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()

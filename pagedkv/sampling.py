@@ -86,8 +86,7 @@ class SamplingParams:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(
-                "max_tokens must be an int >= 1 (or None to generate until max_model_len), "
-                f"got {self.max_tokens!r}"
+                f"max_tokens must be an int >= 1 (or None to generate until max_model_len), got {self.max_tokens!r}"
             )
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
@@ -113,9 +112,7 @@ class SamplingParams:
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_range("repetition_penalty", self.repetition_penalty, 0.0, math.inf, lo_open=True)
         if math.isinf(self.repetition_penalty):
-            raise ValueError(
-                f"repetition_penalty must be finite and > 0 (1 = off), got {self.repetition_penalty!r}"
-            )
+            raise ValueError(f"repetition_penalty must be finite and > 0 (1 = off), got {self.repetition_penalty!r}")
 
     def _validate_stops(self) -> None:
         if self.stop is None:
@@ -126,9 +123,7 @@ class SamplingParams:
             self.stop = list(self.stop)
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(
-                    f"stop must be a non-empty string or a list of non-empty strings, got {s!r} in it"
-                )
+                raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {s!r} in it")
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:

@@ -71,8 +71,7 @@ class PagedHarness:
         self.model, self.block_size = model, block_size
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [
-            (torch.full(shape, float("nan")), torch.full(shape, float("nan")))
-            for _ in range(model.num_layers)
+            (torch.full(shape, float("nan")), torch.full(shape, float("nan"))) for _ in range(model.num_layers)
         ]
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
@@ -95,9 +94,7 @@ class PagedHarness:
             seq_lens.append(end)
             done += new
         meta = AttentionMetadata.build(tables, query_lens, seq_lens, self.block_size)
-        logits = self.model(
-            torch.tensor(ids), torch.tensor(positions), meta, self.kv_caches, torch.arange(len(ids))
-        )
+        logits = self.model(torch.tensor(ids), torch.tensor(positions), meta, self.kv_caches, torch.arange(len(ids)))
         return list(logits.split(query_lens))
 
     def greedy(self, prompts: dict[str, list[int]], steps: int) -> dict[str, list[int]]:

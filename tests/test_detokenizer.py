@@ -214,8 +214,9 @@ def reference_stop(text: str, stops: list[str], include: bool) -> tuple[str, str
     include=st.booleans(),
 )
 def test_stop_strings_match_character_scan_for_any_chunking(chunks, stops, include):
-    detok = IncrementalDetokenizer(ChunkTokenizer(chunks), [], SamplingParams(stop=stops,
-                                   include_stop_str_in_output=include))
+    detok = IncrementalDetokenizer(
+        ChunkTokenizer(chunks), [], SamplingParams(stop=stops, include_stop_str_in_output=include)
+    )
     expected_text, expected_stop = reference_stop("".join(chunks), stops, include)
     emitted = ""
     for i in range(len(chunks)):

@@ -60,9 +60,7 @@ def _compare(ours: list[int], theirs: list[int], logits: list[torch.Tensor]) -> 
             continue
         logprobs = torch.log_softmax(logits[step], dim=-1)
         top2 = torch.topk(logprobs, 2)
-        assert top2.indices[1].item() == a, (
-            f"step {step}: ours {a} is not HF's second choice {top2.indices.tolist()}"
-        )
+        assert top2.indices[1].item() == a, f"step {step}: ours {a} is not HF's second choice {top2.indices.tolist()}"
         gap = (top2.values[0] - top2.values[1]).item()
         assert gap < TIE_GAP, f"step {step}: tokens differ ({a} vs {b}) with a logprob gap of {gap:.2e}"
         return 1
@@ -82,13 +80,9 @@ def test_batched_greedy_matches_hf(llm, chat_prompts, hf_greedy):
 
 def test_prefix_cache_on_off_and_warm_rerun(llm, chat_prompts, hf_greedy):
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
-    system = (
-        "You are a terse assistant that answers questions about geography and arithmetic in few words. " * 3
-    )
+    system = "You are a terse assistant that answers questions about geography and arithmetic in few words. " * 3
     prompts = [
-        llm.engine.apply_chat_template(
-            [{"role": "system", "content": system}, {"role": "user", "content": q}]
-        )
+        llm.engine.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}])
         for q in QUESTIONS
     ]
     llm.reset_prefix_cache()

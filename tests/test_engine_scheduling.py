@@ -79,12 +79,8 @@ def test_seeded_sampling_is_reproducible_across_batches(reference):
 
 def test_stop_strings_are_trimmed(reference):
     base, _ = reference
-    prompt = base.engine.apply_chat_template(
-        [{"role": "user", "content": "Describe a sunny day at the beach."}]
-    )
-    full = base.generate(
-        prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=40, temperature=0)
-    )[0]
+    prompt = base.engine.apply_chat_template([{"role": "user", "content": "Describe a sunny day at the beach."}])
+    full = base.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=40, temperature=0))[0]
     assert len(full.text) > 30, full.text
     # a stop string from the middle of the answer, three characters long, so it may span token boundaries
     stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
@@ -96,9 +92,7 @@ def test_stop_strings_are_trimmed(reference):
     assert len(cut.token_ids) < len(full.token_ids)
     kept = base.generate(
         prompt_token_ids=[prompt],
-        sampling_params=SamplingParams(
-            max_tokens=40, temperature=0, stop=[stop], include_stop_str_in_output=True
-        ),
+        sampling_params=SamplingParams(max_tokens=40, temperature=0, stop=[stop], include_stop_str_in_output=True),
     )[0]
     assert kept.text == full.text[: full.text.index(stop) + len(stop)]
 
@@ -143,9 +137,7 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(reference):
 
 def test_pool_too_small_for_a_request_is_a_clear_error():
     llm = LLM(attention_backend="gather", num_kv_blocks=2)
-    prompt = llm.engine.apply_chat_template(
-        [{"role": "user", "content": "Tell me a long story about dragons."}]
-    )
+    prompt = llm.engine.apply_chat_template([{"role": "user", "content": "Tell me a long story about dragons."}])
     with pytest.raises(ValueError, match="num_kv_blocks"):
         llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=64))
     _assert_no_blocks_held(llm)
@@ -155,9 +147,7 @@ def test_abort_frees_blocks():
     llm = LLM(attention_backend="gather")
     engine = llm.engine
     prompt = engine.apply_chat_template([{"role": "user", "content": "Write a long poem about autumn."}])
-    request_id = engine.add_request(
-        prompt_token_ids=prompt, params=SamplingParams(max_tokens=200, temperature=0)
-    )
+    request_id = engine.add_request(prompt_token_ids=prompt, params=SamplingParams(max_tokens=200, temperature=0))
     for _ in range(3):
         engine.step()
     assert engine.kv.num_used_blocks > 0

@@ -82,9 +82,7 @@ def _word_tokenizer(directory: Path) -> None:
 
     backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0", eos_token="w3").save_pretrained(
-        directory
-    )
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0", eos_token="w3").save_pretrained(directory)
 
 
 def test_sharded_safetensors_directory_loads_and_matches_hf(tmp_path):
@@ -125,9 +123,7 @@ def test_sharded_safetensors_directory_loads_and_matches_hf(tmp_path):
 
 
 def test_directory_without_safetensors_is_rejected(tmp_path):
-    LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=1, num_attention_heads=4).save_pretrained(
-        tmp_path
-    )
+    LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=1, num_attention_heads=4).save_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
         loader.load_model(str(tmp_path))
 
@@ -148,6 +144,4 @@ def test_default_model_cache_hit_loads_without_converting(default_model, hf_defa
     for text in ("Hello, world!", "  déjà vu\n\tcode: x = [1, 2]"):
         assert again.tokenizer.encode(text) == hf_default_tokenizer.encode(text)
     ours = again.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert ours == hf_default_tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=False
-    )
+    assert ours == hf_default_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

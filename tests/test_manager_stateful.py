@@ -172,9 +172,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if req.alloc == len(req.tokens):
             req.tokens.extend(data.draw(st.lists(ALPHABET, min_size=1, max_size=5)))
             extend_block_keys(req.keys, req.tokens, self.m.block_size, req.salt)
-        if self.do_allocate(rid, req, data.draw(st.integers(req.alloc, len(req.tokens)))) and data.draw(
-            st.booleans()
-        ):
+        if self.do_allocate(rid, req, data.draw(st.integers(req.alloc, len(req.tokens)))) and data.draw(st.booleans()):
             self.cache_all(rid, req)
 
     def cache_all(self, rid: str, req: Req) -> None:

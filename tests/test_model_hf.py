@@ -178,9 +178,7 @@ def chat_prompts(hf_default_tokenizer) -> list[list[int]]:
 def test_default_model_prefill_logits_match_hf(default_model, hf_default_model, chat_prompts, paged_harness):
     worst = 0.0
     for i, prompt in enumerate(chat_prompts):
-        (logits,) = paged_harness(default_model.model, block_size=16, num_blocks=16, seed=i).step(
-            [("p", prompt)]
-        )
+        (logits,) = paged_harness(default_model.model, block_size=16, num_blocks=16, seed=i).step([("p", prompt)])
         worst = max(worst, (logits - _hf_logits(hf_default_model, prompt)).abs().max().item())
     print(f"\ndefault model, prefill logits: max |ours - HF| = {worst:.2e} over {len(chat_prompts)} prompts")
     assert worst < 1e-3

@@ -121,13 +121,9 @@ def test_batched_equals_per_request_concatenated(data, block_size):
     pool = make_pool(num_blocks, block_size, heads=2, dim=2)
 
     slots = ops.batched_slot_mapping(tables, starts, ends, block_size)
-    expected = [
-        s for t, a, b in zip(tables, starts, ends, strict=True) for s in ref_slots(t, a, b, block_size)
-    ]
+    expected = [s for t, a, b in zip(tables, starts, ends, strict=True) for s in ref_slots(t, a, b, block_size)]
     assert slots.tolist() == expected
-    per_request = [
-        ops.slot_mapping(t, a, b, block_size) for t, a, b in zip(tables, starts, ends, strict=True)
-    ]
+    per_request = [ops.slot_mapping(t, a, b, block_size) for t, a, b in zip(tables, starts, ends, strict=True)]
     assert torch.equal(slots, torch.cat(per_request) if per_request else torch.empty(0, dtype=torch.int64))
 
     gathered = ops.batched_gather_kv(pool, tables, ends, block_size)
@@ -141,9 +137,7 @@ def test_batched_shares_blocks_across_requests():
     pool = make_pool()
     tables, seq_lens = [[4, 7, 1], [4, 7], [1]], [10, 6, 2]
     got = ops.batched_gather_kv(pool, tables, seq_lens, 4)
-    assert torch.equal(
-        got, torch.cat([ref_gather(pool, t, n) for t, n in zip(tables, seq_lens, strict=True)])
-    )
+    assert torch.equal(got, torch.cat([ref_gather(pool, t, n) for t, n in zip(tables, seq_lens, strict=True)]))
 
 
 @pytest.mark.parametrize("seq_len", [0, 1, 8, 11])

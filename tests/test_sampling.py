@@ -77,8 +77,15 @@ def test_greedy_is_argmax_and_leaves_logits_untouched():
     assert torch.equal(logits, before)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(top_k=1), SamplingParams(top_p=1e-6),
-                                    SamplingParams(min_p=1.0), SamplingParams(temperature=1e-3, seed=1)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(top_k=1),
+        SamplingParams(top_p=1e-6),
+        SamplingParams(min_p=1.0),
+        SamplingParams(temperature=1e-3, seed=1),
+    ],
+)
 def test_degenerate_filters_equal_greedy(params):
     logits = torch.randn(16, VOCAB, generator=torch.Generator().manual_seed(1)) * 3
     for _ in range(3):
@@ -215,8 +222,13 @@ def test_seeded_request_is_independent_of_its_batch_neighbours():
     gen = torch.Generator().manual_seed(5)
     steps = [torch.randn(5, VOCAB, generator=gen) * 2 for _ in range(20)]
     target = SamplingParams(seed=1234, temperature=0.9, top_p=0.95, top_k=200)
-    params = [SamplingParams(temperature=0), SamplingParams(seed=7, min_p=0.05), target, SamplingParams(),
-              SamplingParams(temperature=1.5, top_p=0.5, presence_penalty=0.5)]
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(seed=7, min_p=0.05),
+        target,
+        SamplingParams(),
+        SamplingParams(temperature=1.5, top_p=0.5, presence_penalty=0.5),
+    ]
     alone_gen = make_generator(1234)
     batch_gens = [make_generator(p.seed) for p in params]
     alone, batched = [], []
@@ -232,18 +244,22 @@ def test_different_seeds_draw_different_tokens():
     draws = {}
     for seed in (0, 1):
         generator = make_generator(seed)
-        draws[seed] = [sample(logits, [SamplingParams(seed=seed)], generators=[generator]).token_ids[0]
-                       for _ in range(20)]
+        draws[seed] = [
+            sample(logits, [SamplingParams(seed=seed)], generators=[generator]).token_ids[0] for _ in range(20)
+        ]
     assert draws[0] != draws[1]
     again = make_generator(0)
-    assert draws[0] == [sample(logits, [SamplingParams(seed=0)], generators=[again]).token_ids[0]
-                        for _ in range(20)]
+    assert draws[0] == [sample(logits, [SamplingParams(seed=0)], generators=[again]).token_ids[0] for _ in range(20)]
 
 
 def test_logprobs_are_sorted_raw_log_softmax():
     logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(6)) * 3
-    params = [SamplingParams(logprobs=5, temperature=0.7, presence_penalty=1.0), SamplingParams(),
-              SamplingParams(logprobs=0, temperature=0), SamplingParams(logprobs=20, top_k=3, seed=2)]
+    params = [
+        SamplingParams(logprobs=5, temperature=0.7, presence_penalty=1.0),
+        SamplingParams(),
+        SamplingParams(logprobs=0, temperature=0),
+        SamplingParams(logprobs=20, top_k=3, seed=2),
+    ]
     out = sample(logits, params, outputs=[[0, 1, 2]] * 4)
     reference = torch.log_softmax(logits.double(), -1)
     assert out.logprobs is not None and out.top_logprobs is not None
@@ -260,8 +276,7 @@ def test_logprobs_are_sorted_raw_log_softmax():
 
 def test_bfloat16_logits():
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(8)).bfloat16()
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=1),
-              SamplingParams(top_k=1)]
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=1), SamplingParams(top_k=1)]
     out = sample(logits, params)
     assert out.token_ids == logits.float().argmax(-1).tolist()
     assert out.logprobs[1] == pytest.approx(torch.log_softmax(logits.float()[1], -1).max().item(), abs=1e-5)

@@ -58,8 +58,13 @@ def reference(engine: LLMEngine) -> dict:
     concurrent_ids = [engine.apply_chat_template([{"role": "user", "content": p}]) for p in CONCURRENT]
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
     outs = run_offline(engine, [chat_ids, *text_ids, *concurrent_ids], greedy)
-    return {"chat": outs[0], "chat_prompt_len": len(chat_ids), "text": [o.text for o in outs[1:3]],
-            "text_ids": text_ids, "concurrent": [o.text for o in outs[3:]]}
+    return {
+        "chat": outs[0],
+        "chat_prompt_len": len(chat_ids),
+        "text": [o.text for o in outs[1:3]],
+        "text_ids": text_ids,
+        "concurrent": [o.text for o in outs[3:]],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +117,7 @@ def test_health_and_models(server, client):
 
 
 def test_chat_matches_offline_greedy(client, reference):
-    resp = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=MAX_TOKENS,
-                                          temperature=0)
+    resp = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0)
     ref = reference["chat"]
     assert resp.choices[0].message.content == ref.text
     assert resp.choices[0].message.role == "assistant"
@@ -124,10 +128,16 @@ def test_chat_matches_offline_greedy(client, reference):
 
 
 def test_chat_stream_matches_offline_greedy(client, reference):
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=QUESTION, max_completion_tokens=MAX_TOKENS, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-    ))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,
+            max_completion_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference["chat"].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reference["chat"].finish_reason
@@ -141,8 +151,9 @@ def test_completions_text_and_token_prompts(client, reference):
     assert [c.index for c in resp.choices] == [0, 1]
     assert [c.text for c in resp.choices] == reference["text"]
     assert resp.usage.prompt_tokens == sum(len(t) for t in reference["text_ids"])
-    by_ids = client.completions.create(model=MODEL, prompt=reference["text_ids"][0], max_tokens=MAX_TOKENS,
-                                       temperature=0)
+    by_ids = client.completions.create(
+        model=MODEL, prompt=reference["text_ids"][0], max_tokens=MAX_TOKENS, temperature=0
+    )
     assert by_ids.choices[0].text == reference["text"][0]
 
 
@@ -165,8 +176,13 @@ def test_32_concurrent_streams_are_correct_and_free_every_block(server, referenc
 
     def run(prompt: str) -> str:
         client = openai.OpenAI(base_url=base_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
-                                                max_tokens=MAX_TOKENS, temperature=0, stream=True)
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+        )
         return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
     with ThreadPoolExecutor(max_workers=32) as pool:
@@ -253,8 +269,9 @@ def test_cache_salt_isolates_prefix_cache(client):
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a planet."}]
 
     def cached(salt: str) -> int:
-        resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
-                                              extra_body={"cache_salt": salt})
+        resp = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=2, temperature=0, extra_body={"cache_salt": salt}
+        )
         return resp.usage.prompt_tokens_details.cached_tokens
 
     assert cached("tenant-a") == 0
@@ -285,14 +302,14 @@ def test_metrics_parse_and_prefix_cache_counters_move(server, client):
 
 
 def test_logprobs_and_n(client):
-    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, temperature=0,
-                                          logprobs=True, top_logprobs=2)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     assert all(t.logprob <= 0 and t.top_logprobs for t in content)
     assert content[0].logprob == pytest.approx(max(t.logprob for t in content[0].top_logprobs))
-    comp = client.completions.create(model=MODEL, prompt=TEXT_PROMPTS[0], max_tokens=4, temperature=0,
-                                     logprobs=1)
+    comp = client.completions.create(model=MODEL, prompt=TEXT_PROMPTS[0], max_tokens=4, temperature=0, logprobs=1)
     assert len(comp.choices[0].logprobs.token_logprobs) == comp.usage.completion_tokens
     many = client.completions.create(model=MODEL, prompt=TEXT_PROMPTS, max_tokens=3, n=2, seed=7)
     assert sorted(c.index for c in many.choices) == [0, 1, 2, 3]
@@ -303,8 +320,20 @@ def test_cli_serve_exits_0_on_sigterm_mid_stream():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "pagedkv.entrypoints.cli", "serve", "--port", str(port),
-           "--num-kv-blocks", "64", "--max-model-len", "512", "--threads", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagedkv.entrypoints.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--num-kv-blocks",
+        "64",
+        "--max-model-len",
+        "512",
+        "--threads",
+        "1",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base_url = f"http://127.0.0.1:{port}"
     try:

@@ -7,14 +7,10 @@ the same numbers; the kernel is faster because it reads K/V in place instead of 
 
 from __future__ import annotations
 
-import logging
-import os
-
 from torch import Tensor
 
+from pagedkv import extension
 from pagedkv.attention.kernel import decode_attention_kernel, decode_attention_reference, kernel_available
-
-logger = logging.getLogger(__name__)
 
 BACKENDS = ("kernel", "gather")
 ENV_VAR = "PAGEDKV_ATTENTION_BACKEND"
@@ -28,20 +24,7 @@ def resolve_backend(requested: str | None) -> str:
 
     Asking for the kernel where it cannot be built falls back to ``"gather"`` with a warning.
     """
-    source = "the attention_backend argument"
-    if requested is None and os.environ.get(ENV_VAR, "").strip():
-        requested, source = os.environ[ENV_VAR].strip(), f"${ENV_VAR}"
-    if requested is None:
-        if kernel_available():
-            return "kernel"
-        logger.info("attention backend: 'gather' (the C++ decode kernel is unavailable)")
-        return "gather"
-    if requested not in BACKENDS:
-        raise ValueError(f"attention backend {requested!r} from {source} is not one of {BACKENDS}: use one of those")
-    if requested == "kernel" and not kernel_available():
-        logger.warning("attention backend 'kernel' was asked for by %s but cannot be built: using 'gather'", source)
-        return "gather"
-    return requested
+    return extension.choose_backend(requested, ENV_VAR, BACKENDS, kernel_available, "attention backend")
 
 
 def decode_attention(

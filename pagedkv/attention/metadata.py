@@ -87,9 +87,7 @@ class AttentionMetadata:
             prefill_kv_slots=ops.batched_slot_mapping(
                 block_tables[prefill], [0] * (len(seq_lens) - num_decodes), seq_lens[prefill], block_size
             ),
-            prefill_masks=[
-                _prefill_mask(q, s) for q, s in zip(query_lens[prefill], seq_lens[prefill], strict=True)
-            ],
+            prefill_masks=[_prefill_mask(q, s) for q, s in zip(query_lens[prefill], seq_lens[prefill], strict=True)],
         )
 
 

@@ -39,9 +39,7 @@ def paged_attention(
         if backend == "kernel":
             from pagedkv.attention.backend import decode_attention
 
-            out[:n] = decode_attention(
-                backend, q[:n], k_pool, v_pool, meta.block_tables[:n], meta.seq_lens[:n], scale
-            )
+            out[:n] = decode_attention(backend, q[:n], k_pool, v_pool, meta.block_tables[:n], meta.seq_lens[:n], scale)
         else:
             out[:n] = decode_attention_gather(
                 q[:n],

@@ -23,6 +23,7 @@ from pagedkv.engine.request import Request, RequestOutput
 from pagedkv.engine.runner import ModelRunner, kv_block_bytes
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.kv.manager import KVCacheManager
+from pagedkv.model import panel
 from pagedkv.model.loader import load_model
 from pagedkv.sampler import Sampler, make_generator
 from pagedkv.sampling import SamplingParams
@@ -35,7 +36,8 @@ class LLMEngine:
         self.config = config
         torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         self.attention_backend = resolve_backend(config.attention_backend)
-        loaded = load_model(config.model, dtype=config.dtype, attention_backend=self.attention_backend)
+        self.linear_backend = panel.resolve_backend(config.linear_backend)
+        loaded = load_model(config.model, config.dtype, self.attention_backend, self.linear_backend)
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config
         self.model_path = loaded.path
@@ -53,12 +55,13 @@ class LLMEngine:
         self.counters = {"prompt_tokens_computed": 0, "generation_tokens": 0, "requests_finished": 0}
         self._ids = itertools.count()
         logger.info(
-            "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, attention %s",
+            "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, attention %s, linear %s",
             self.model_path,
             num_blocks,
             config.block_size,
             self.max_model_len,
             self.attention_backend,
+            self.linear_backend,
         )
 
     # -- requests -------------------------------------------------------------------------------------
@@ -67,9 +70,7 @@ class LLMEngine:
         return list(self.tokenizer.encode(prompt, add_special_tokens=False))
 
     def apply_chat_template(self, messages: Sequence[dict], **kwargs) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=True, **kwargs
-        )
+        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, **kwargs)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def add_request(

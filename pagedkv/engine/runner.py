@@ -28,8 +28,7 @@ class ModelRunner:
         self.kv = kv
         shape = (kv.num_total_blocks, kv.block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches: list[tuple[Tensor, Tensor]] = [
-            (torch.zeros(shape, dtype=KV_DTYPE), torch.zeros(shape, dtype=KV_DTYPE))
-            for _ in range(model.num_layers)
+            (torch.zeros(shape, dtype=KV_DTYPE), torch.zeros(shape, dtype=KV_DTYPE)) for _ in range(model.num_layers)
         ]
 
     @torch.inference_mode()

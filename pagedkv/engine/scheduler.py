@@ -112,9 +112,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
-            in_flight.update(
-                request.block_keys[first_new_block : request.num_prompt_tokens // self.kv.block_size]
-            )
+            in_flight.update(request.block_keys[first_new_block : request.num_prompt_tokens // self.kv.block_size])
         self.waiting.extendleft(reversed(deferred))
         return budget
 

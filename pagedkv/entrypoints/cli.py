@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pagedkv.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
+from pagedkv.config import ATTENTION_BACKENDS, DTYPES, LINEAR_BACKENDS, EngineConfig
 
 BENCHMARKS = ("gather", "attention", "throughput")
 
@@ -25,22 +25,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (default: from --kv-cache-gb)"
     )
-    group.add_argument(
-        "--kv-cache-gb", type=float, default=defaults.kv_cache_memory_gb, help="KV pool memory"
-    )
+    group.add_argument("--kv-cache-gb", type=float, default=defaults.kv_cache_memory_gb, help="KV pool memory")
     group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="requests per step")
     group.add_argument(
         "--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens, help="tokens per step"
     )
-    group.add_argument(
-        "--max-model-len", type=int, default=None, help="context length (default: the model's)"
-    )
+    group.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     group.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     group.add_argument(
         "--attention-backend",
         choices=ATTENTION_BACKENDS,
         default=None,
         help="decode attention: compiled kernel or gather + SDPA (default: kernel if it builds)",
+    )
+    group.add_argument(
+        "--linear-backend",
+        choices=LINEAR_BACKENDS,
+        default=None,
+        help="linear layers up to 128 rows: compiled panel GEMM or torch (default: panel if it builds)",
     )
     group.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
@@ -57,6 +59,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": not args.no_prefix_caching,
         "attention_backend": args.attention_backend,
+        "linear_backend": args.linear_backend,
         "num_threads": args.threads,
     }
 
@@ -143,18 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    serve.add_argument(
-        "--served-model-name", default=None, help="model name clients use (default: file name)"
-    )
+    serve.add_argument("--served-model-name", default=None, help="model name clients use (default: file name)")
     serve.add_argument("--max-queued-requests", type=int, default=256, help="past this, 503")
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="run a benchmark script (gather, attention, throughput)")
     bench.add_argument("benchmark", choices=BENCHMARKS)
-    bench.add_argument(
-        "bench_args", nargs=argparse.REMAINDER, help="options passed to the script (try --help)"
-    )
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options passed to the script (try --help)")
     bench.set_defaults(func=cmd_bench)
     return parser
 

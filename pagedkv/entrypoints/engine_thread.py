@@ -169,9 +169,7 @@ class EngineThread:
             try:
                 return self.engine.apply_chat_template(prompt.messages)
             except Exception as exc:
-                raise ValueError(
-                    f"messages could not be rendered with the model's chat template: {exc}"
-                ) from exc
+                raise ValueError(f"messages could not be rendered with the model's chat template: {exc}") from exc
         if prompt.prompt is None:
             raise ValueError("give a prompt, prompt token ids, or messages")
         return self.engine.encode(prompt.prompt)

@@ -20,9 +20,7 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         unknown = set(kwargs) - set(EngineConfig.field_names())
         if unknown:
-            raise TypeError(
-                f"unknown LLM option(s) {sorted(unknown)}; valid ones: {EngineConfig.field_names()}"
-            )
+            raise TypeError(f"unknown LLM option(s) {sorted(unknown)}; valid ones: {EngineConfig.field_names()}")
         self.config = EngineConfig(model=model, **kwargs)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
@@ -75,9 +73,7 @@ class LLM:
         try:
             for text, tokens, p in zip(texts, token_lists, params):
                 ids.append(
-                    self.engine.add_request(
-                        prompt=text, prompt_token_ids=tokens, params=p, cache_salt=cache_salt
-                    )
+                    self.engine.add_request(prompt=text, prompt_token_ids=tokens, params=p, cache_salt=cache_salt)
                 )
         except Exception:
             for request_id in ids:
@@ -101,15 +97,11 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
 
-def _per_prompt(
-    sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
-) -> list[SamplingParams]:
+def _per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
     if sampling_params is None:
         return [SamplingParams()] * count
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * count
     if len(sampling_params) != count:
-        raise ValueError(
-            f"got {len(sampling_params)} SamplingParams for {count} prompts: give one, or one per prompt"
-        )
+        raise ValueError(f"got {len(sampling_params)} SamplingParams for {count} prompts: give one, or one per prompt")
     return list(sampling_params)

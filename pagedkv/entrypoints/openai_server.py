@@ -55,8 +55,7 @@ class RequestGate:
     that hides client disconnects from streaming responses, and those must abort their requests.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int,
-                 metrics: ServerMetrics) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.max_body_bytes = max_body_bytes
@@ -71,8 +70,9 @@ class RequestGate:
         if self.expected and scope["path"].startswith("/v1"):
             given = headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, self.expected):
-                error = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                                 code="invalid_api_key")
+                error = APIError(
+                    401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+                )
         length = headers.get("content-length", "")
         if error is None and length.isdigit() and int(length) > self.max_body_bytes:
             error = self._too_large()
@@ -83,8 +83,7 @@ class RequestGate:
         await self.app(scope, self._limited(receive), send)
 
     def _too_large(self) -> APIError:
-        return APIError(413, f"the request body is larger than {self.max_body_bytes} bytes",
-                        code="request_too_large")
+        return APIError(413, f"the request body is larger than {self.max_body_bytes} bytes", code="request_too_large")
 
     def _limited(self, receive: Receive) -> Receive:
         """Counts streamed (chunked) bodies that carry no Content-Length."""

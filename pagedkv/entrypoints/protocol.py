@@ -16,17 +16,46 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pagedkv.sampling import SamplingParams
 
-UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "echo", "suffix",
-                      "best_of", "audio", "prediction")
-SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos")
+UNSUPPORTED_FIELDS = (
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "logit_bias",
+    "echo",
+    "suffix",
+    "best_of",
+    "audio",
+    "prediction",
+)
+SAMPLING_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+)
 
 
 class APIError(Exception):
     """An error with an HTTP status and the OpenAI error body ``{"error": {message, type, param, code}}``."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -66,8 +95,9 @@ class _SamplingRequest(BaseModel):
             value = (self.model_extra or {}).get(name)
             unset = value is None or value is False or value == [] or value == {}
             if not unset and not (name == "best_of" and value == 1):
-                raise APIError(400, f"{name} is not supported by this server: remove it", param=name,
-                               code="unsupported_parameter")
+                raise APIError(
+                    400, f"{name} is not supported by this server: remove it", param=name, code="unsupported_parameter"
+                )
         if self.cache_salt is not None and not self.cache_salt:
             raise APIError(400, "cache_salt must be a non-empty string (or left out)", param="cache_salt")
 
@@ -104,8 +134,11 @@ class ChatMessage(BaseModel):
             parts = []
             for part in self.content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise APIError(400, f"messages[{index}].content: only text parts are supported, got type "
-                                   f"{part.get('type')!r}", param=f"messages[{index}].content")
+                    raise APIError(
+                        400,
+                        f"messages[{index}].content: only text parts are supported, got type {part.get('type')!r}",
+                        param=f"messages[{index}].content",
+                    )
                 parts.append(part["text"])
             text = "".join(parts)
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
@@ -140,8 +173,7 @@ def sampling_params(kwargs: dict[str, Any], renames: dict[str, str] | None = Non
 _FIELD_RE = re.compile(r"^(\w+) must")
 
 
-def value_error(exc: ValueError, renames: dict[str, str] | None = None,
-                prompt_param: str = "prompt") -> APIError:
+def value_error(exc: ValueError, renames: dict[str, str] | None = None, prompt_param: str = "prompt") -> APIError:
     """Turn a SamplingParams / engine ValueError into a 400 that names the request field at fault."""
     message = str(exc)
     match = _FIELD_RE.match(message)

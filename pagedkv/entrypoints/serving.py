@@ -46,11 +46,21 @@ class ServingContext:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves `{self.model_name}`",
+                param="model",
+                code="model_not_found",
+            )
 
-    async def start(self, prefix: str, prompts: list[EnginePrompt], params: SamplingParams,
-                    cache_salt: str | None, prompt_param: str) -> RequestStream:
+    async def start(
+        self,
+        prefix: str,
+        prompts: list[EnginePrompt],
+        params: SamplingParams,
+        cache_salt: str | None,
+        prompt_param: str,
+    ) -> RequestStream:
         """Queue the prompts; map engine refusals to OpenAI errors (400 / 503)."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
@@ -101,8 +111,9 @@ def event_stream(stream: RequestStream, events: AsyncIterator[BaseModel]) -> Str
     cancel that lands while it waits for the engine; the background task covers one that lands in
     ``send``, where the generator is merely suspended and would be closed only when garbage collected.
     """
-    return StreamingResponse(_sse(stream, events), media_type="text/event-stream",
-                             background=BackgroundTask(stream.abort))
+    return StreamingResponse(
+        _sse(stream, events), media_type="text/event-stream", background=BackgroundTask(stream.abort)
+    )
 
 
 async def _sse(stream: RequestStream, events: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
@@ -117,8 +128,7 @@ async def _sse(stream: RequestStream, events: AsyncIterator[BaseModel]) -> Async
     yield DONE
 
 
-def fresh_samples(index: int, output: RequestOutput, reported: set[tuple[int, int]]
-                  ) -> list[CompletionOutput]:
+def fresh_samples(index: int, output: RequestOutput, reported: set[tuple[int, int]]) -> list[CompletionOutput]:
     """Samples with new text, tokens, or a finish not yet reported. A group (n > 1) keeps reporting a
     sample that finished early while its siblings run; this keeps its finish_reason from repeating."""
     fresh = []
@@ -140,8 +150,12 @@ def usage(outputs: Sequence[RequestOutput | None]) -> Usage:
     prompt = sum(len(o.prompt_token_ids) for o in done)
     completion = sum(len(s.token_ids) for o in done for s in o.outputs)
     cached = sum(o.num_cached_tokens for o in done)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
 
 
 def _logprob_slice(sample: CompletionOutput, delta: bool) -> tuple[list[int], list[float], list[list]]:
@@ -161,8 +175,7 @@ def chat_logprobs(ctx: ServingContext, sample: CompletionOutput, delta: bool) ->
     for i, (token_id, logprob) in enumerate(zip(ids, logprobs, strict=False)):
         alternatives = [_top(ctx, t, lp) for t, lp in (tops[i] if i < len(tops) else [])]
         text = ctx.token_text(token_id)
-        content.append(TokenLogprob(token=text, logprob=logprob, bytes=list(text.encode()),
-                                    top_logprobs=alternatives))
+        content.append(TokenLogprob(token=text, logprob=logprob, bytes=list(text.encode()), top_logprobs=alternatives))
     return ChatLogprobs(content=content)
 
 
@@ -171,8 +184,7 @@ def _top(ctx: ServingContext, token_id: int, logprob: float) -> TopLogprob:
     return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
 
 
-def completion_logprobs(ctx: ServingContext, sample: CompletionOutput,
-                        delta: bool) -> CompletionLogprobs | None:
+def completion_logprobs(ctx: ServingContext, sample: CompletionOutput, delta: bool) -> CompletionLogprobs | None:
     if sample.logprobs is None:
         return None
     ids, logprobs, tops = _logprob_slice(sample, delta)

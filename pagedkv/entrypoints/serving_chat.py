@@ -33,9 +33,7 @@ from pagedkv.entrypoints.serving import (
 )
 
 
-async def create_chat_completion(
-    ctx: ServingContext, body: ChatCompletionRequest, request: Request
-) -> Response:
+async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, request: Request) -> Response:
     ctx.check_model(body.model)
     body.check_supported()
     params = body.to_sampling_params()

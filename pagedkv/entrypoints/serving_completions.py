@@ -30,9 +30,7 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) ->
     if isinstance(prompt, str):
         return [EnginePrompt(prompt=prompt)]
     if not prompt:
-        raise APIError(
-            400, "prompt is empty: give a string, a list of strings, or a list of token ids", param="prompt"
-        )
+        raise APIError(400, "prompt is empty: give a string, a list of strings, or a list of token ids", param="prompt")
     if isinstance(prompt[0], str):
         return [EnginePrompt(prompt=p) for p in prompt]
     if isinstance(prompt[0], int):
@@ -88,9 +86,7 @@ async def _stream_events(
             for sample in fresh_samples(index, output, reported)
         ]
         if choices:
-            yield CompletionResponse(
-                id=stream.request_id, created=created, model=ctx.model_name, choices=choices
-            )
+            yield CompletionResponse(id=stream.request_id, created=created, model=ctx.model_name, choices=choices)
     if body.include_usage:
         yield CompletionResponse(
             id=stream.request_id, created=created, model=ctx.model_name, choices=[], usage=usage(last)

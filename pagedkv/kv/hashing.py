@@ -40,8 +40,7 @@ def _encode(value: object, out: list[bytes]) -> None:
             _encode(item, out)
     else:
         raise ValueError(
-            "extra_keys may only hold None, bool, int, str, bytes or tuples of those, "
-            f"got {type(value).__name__}"
+            f"extra_keys may only hold None, bool, int, str, bytes or tuples of those, got {type(value).__name__}"
         )
 
 

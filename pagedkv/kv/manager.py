@@ -102,21 +102,15 @@ class KVCacheManager:
 
     def _check_prefix(self, request_id: str, is_new: bool, num_tokens: int, prefix: PrefixHit) -> None:
         if not is_new:
-            raise ValueError(
-                f"request {request_id!r} already has blocks; pass a prefix only on its first allocate()"
-            )
+            raise ValueError(f"request {request_id!r} already has blocks; pass a prefix only on its first allocate()")
         if num_tokens < prefix.num_tokens:
-            raise ValueError(
-                f"allocate({num_tokens} tokens) must cover the {prefix.num_tokens} cached prefix tokens"
-            )
+            raise ValueError(f"allocate({num_tokens} tokens) must cover the {prefix.num_tokens} cached prefix tokens")
         if prefix.block_keys and any(
             self.pool.key_of(b) != k for b, k in zip(prefix.block_ids, prefix.block_keys, strict=True)
         ):
             raise ValueError("stale PrefixHit: call find_cached_prefix() again right before allocate()")
 
-    def cache_full_blocks(
-        self, request_id: str, block_keys: Sequence[BlockKey], num_full_blocks: int
-    ) -> None:
+    def cache_full_blocks(self, request_id: str, block_keys: Sequence[BlockKey], num_full_blocks: int) -> None:
         """Register the keys of the request's blocks [0, num_full_blocks) not registered yet.
 
         Call it only for blocks whose K/V has been written. If another block already holds the same key

@@ -72,8 +72,7 @@ def _check_blocks(blocks: Sequence[int] | Tensor, num_blocks: int) -> None:
 def _check_pool(pool: Tensor, block_size: int) -> None:
     if pool.dim() != 4 or pool.shape[1] != block_size:
         raise ValueError(
-            f"pool must be [num_blocks, block_size={block_size}, num_kv_heads, head_dim], "
-            f"got shape {tuple(pool.shape)}"
+            f"pool must be [num_blocks, block_size={block_size}, num_kv_heads, head_dim], got shape {tuple(pool.shape)}"
         )
 
 

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pagedkv.model import q4
-from pagedkv.model.q4 import Q4Weight
+from pagedkv.model import kernels, panel
+from pagedkv.model.panel import PanelWeight
 
-# "q4": fp32 weights and math, plus the GGUF file's exact 4-bit codes for small batches (see Linear.use_q4)
+# "q4": fp32 weights and math, read from the GGUF file's exact 4-bit (and 8-bit) codes (see Linear.use_panel)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "q4": torch.float32}
 # relative distance below a row's top bf16 logit within which the order is unreliable: two roundings of
 # 2**-8 each, plus the bf16 rounding of the GEMM's input, with room to spare
@@ -24,7 +24,9 @@ _BF16_TIE_MARGIN = 2.0**-6
 # ``x @ W^T`` at this model's shapes on the 2-core AVX2 dev machine (LM head, 32 rows: 25 vs 39 ms);
 # outside that range F.linear was as fast or faster. Re-measure with benchmarks/linear_layout.py on a new machine.
 _TRANSPOSED_GEMM_ROWS = (8, 512)
-_Q4_MAX_ROWS = 8
+# Up to this many rows the panel kernel ran the whole model's linears 1.1-2.5x faster than MKL (fp32 and q4
+# alike, benchmarks/panel_linear.py); from ~256 rows (prefill) MKL was as fast or faster.
+_PANEL_MAX_ROWS = 128
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -50,21 +52,23 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = empty_parameter(out_features, in_features, dtype=dtype)
         self.bias = empty_parameter(out_features, dtype=dtype) if bias else None
-        self.q4: Q4Weight | None = None
+        self.panel: PanelWeight | None = None
 
-    def use_q4(self) -> bool:
-        """Keep a 4-bit copy of the weight when it is exactly Q4_1-coded (a GGUF Q4_1 model), for decode steps.
+    def use_panel(self, format: str) -> bool:
+        """Also keep the weight packed for the panel kernel, which then serves steps of up to 128 rows.
 
-        The codes reproduce the fp32 weight exactly, so results differ from fp32 only by summation order.
-        Small batches are memory bound: reading 4-bit codes instead of fp32 ran 1.4-3x faster up to 8 rows
-        (benchmarks/q4_linear.py); from ~16 rows MKL's fp32 GEMM wins, so larger steps keep using it.
+        ``format`` is ``"fp32"`` or a code the checkpoint used (``"q4"``, ``"q8"``); a quantised format is
+        taken only when its codes give back every weight exactly (False otherwise, and nothing changes).
+        The row-major weight stays: it feeds the embedding lookup and MKL's GEMM for large prefill steps.
         """
-        self.q4 = q4.encode(self.weight.data) if self.weight.dtype == torch.float32 else None
-        return self.q4 is not None
+        if self.weight.dtype != torch.float32:
+            return False
+        self.panel = panel.pack(self.weight.data, format)
+        return self.panel is not None
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.q4 is not None and x.dim() == 2 and x.shape[0] <= _Q4_MAX_ROWS:
-            out = q4.q4_linear(x, self.q4)
+        if self.panel is not None and x.dim() == 2 and x.shape[0] <= _PANEL_MAX_ROWS:
+            out = panel.panel_linear(x, self.panel)
             return out if self.bias is None else out.add_(self.bias)
         w = self.weight
         if w.dtype != x.dtype:
@@ -110,14 +114,24 @@ class LMHead(Linear):
 
 
 class RMSNorm(nn.Module):
-    """``x / rms(x) * weight`` in fp32 (one fused kernel: ``F.rms_norm``)."""
+    """``x / rms(x) * weight`` in fp32, optionally fused with the residual add before it.
+
+    ``compiled`` (set by the model when its compiled kernels are on) runs one C++ pass per row instead of
+    ``F.rms_norm``, whose chain of small ops cost ~150 us a call at decode sizes, 60 calls a step.
+    """
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = empty_parameter(size, dtype=torch.float32)
         self.eps = eps
+        self.compiled = False
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """``rms_norm(x)``; with ``residual``: ``residual += x`` in place first, and the sum is normalised."""
+        if self.compiled and x.dim() == 2 and (residual is None or residual.is_contiguous()):
+            return kernels.rms_norm(x.contiguous(), self.weight, self.eps, residual)
+        if residual is not None:
+            x = residual.add_(x)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 

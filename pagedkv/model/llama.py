@@ -8,6 +8,7 @@ computed only for the rows the caller samples from.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ from pagedkv.model.rope import RotaryEmbedding, apply_rope
 from pagedkv.model.spec import ModelSpec
 
 WeightLoader = Callable[[Tensor], None]
+_CODES = ("q4", "q8")  # exact checkpoint codes a panel can hold, fewest bytes first
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
@@ -36,9 +38,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(spec.num_heads * spec.head_dim, spec.hidden_size, spec.o_bias, dtype)
         # Qwen3's q_norm and k_norm, one row per head ([Hq + Hkv, D]) so both run as one normalisation.
         rows = spec.num_heads + spec.num_kv_heads
-        self.qk_norm_weight = (
-            empty_parameter(rows, spec.head_dim, dtype=torch.float32) if spec.qk_norm else None
-        )
+        self.qk_norm_weight = empty_parameter(rows, spec.head_dim, dtype=torch.float32) if spec.qk_norm else None
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, kv_cache: tuple[Tensor, Tensor]
@@ -73,8 +73,8 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, h: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, kv_cache: tuple[Tensor, Tensor]
     ) -> Tensor:
-        h += self.self_attn(self.input_layernorm(h), cos, sin, meta, kv_cache)
-        h += self.mlp(self.post_attention_layernorm(h))
+        attended = self.self_attn(self.input_layernorm(h), cos, sin, meta, kv_cache)
+        h += self.mlp(self.post_attention_layernorm(attended, residual=h))  # h += attended, then the norm
         return h
 
 
@@ -84,9 +84,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, hf_config: Any, dtype: str = "float32", attention_backend: str = "gather") -> None:
         super().__init__()
         if attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}"
-            )
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
         self.spec = spec = ModelSpec.from_hf_config(hf_config)
         self.dtype = weight_dtype = torch_dtype(dtype)
         self.attention_backend = attention_backend
@@ -100,9 +98,24 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_positions, spec.rope)
 
-    def use_q4_weights(self) -> int:
-        """Give every exactly Q4_1-coded linear layer its 4-bit copy; returns how many layers got one."""
-        return sum(m.use_q4() for m in self.modules() if isinstance(m, Linear) and not isinstance(m, LMHead))
+    def use_compiled_kernels(self, quantized: bool) -> Counter[str]:
+        """Run norms on the compiled RMSNorm and pack every fp32 linear layer (LM head included) for the
+        panel GEMM; returns the number of linear layers per panel format.
+
+        With ``quantized``, a layer takes the checkpoint's own codes where they reproduce its weights
+        exactly -- Q4_1 (0.75 bytes a weight) before Q8_0 (1.125) -- and fp32 panels otherwise.
+        """
+        formats: Counter[str] = Counter()
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.compiled = True
+            if isinstance(module, Linear):
+                chosen = next((f for f in _CODES if quantized and module.use_panel(f)), None)
+                if chosen is None and module.use_panel("fp32"):
+                    chosen = "fp32"
+                if chosen is not None:
+                    formats[chosen] += 1
+        return formats
 
     @property
     def num_layers(self) -> int:
@@ -130,9 +143,7 @@ class LlamaForCausalLM(nn.Module):
         Only those rows go through the final norm and the LM head, the largest GEMM of a small model.
         """
         if len(kv_caches) != self.spec.num_layers:
-            raise ValueError(
-                f"need one (k_pool, v_pool) per layer: {self.spec.num_layers}, got {len(kv_caches)}"
-            )
+            raise ValueError(f"need one (k_pool, v_pool) per layer: {self.spec.num_layers}, got {len(kv_caches)}")
         h = nn.functional.embedding(input_ids, self.embed_tokens).float()
         cos, sin = self.rotary.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

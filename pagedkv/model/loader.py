@@ -66,8 +66,14 @@ def default_model_path() -> str:
     )
 
 
-def load_model(path: str | None, dtype: str = "float32", attention_backend: str = "gather") -> LoadedModel:
-    """Model, tokenizer and config from ``path`` (None: the default model)."""
+def load_model(
+    path: str | None, dtype: str = "float32", attention_backend: str = "gather", linear_backend: str = "torch"
+) -> LoadedModel:
+    """Model, tokenizer and config from ``path`` (None: the default model).
+
+    ``linear_backend="panel"`` packs the linear layers for the panel GEMM (``pagedkv.model.panel``); with
+    ``dtype="q4"`` they keep the checkpoint's exact 4-/8-bit codes instead of fp32.
+    """
     source = Path(path or default_model_path()).expanduser()
     if source.is_file() and source.suffix == ".gguf":
         directory = converted_gguf_directory(source)
@@ -78,10 +84,13 @@ def load_model(path: str | None, dtype: str = "float32", attention_backend: str 
     config = transformers.AutoConfig.from_pretrained(directory)
     model = LlamaForCausalLM(config, dtype=dtype, attention_backend=attention_backend)
     model.load_weights(_read_safetensors(directory))
-    if dtype == "q4":
-        encoded = model.use_q4_weights()
-        if not encoded:
-            logger.warning("dtype 'q4': no linear layer of %s holds Q4_1-coded weights; running plain fp32", source)
+    if linear_backend == "panel":
+        formats = model.use_compiled_kernels(quantized=dtype == "q4")
+        logger.info("panel linear layers: %s", dict(formats))
+        if dtype == "q4" and not formats.keys() & {"q4", "q8"}:
+            logger.warning("dtype 'q4': no linear layer of %s holds Q4_1/Q8_0-coded weights; running fp32", source)
+    elif dtype == "q4":
+        logger.warning("dtype 'q4' reads 4-bit codes through the panel linear backend, which is off: running fp32")
     model.eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     return LoadedModel(

@@ -39,9 +39,7 @@ class ModelSpec:
     def from_hf_config(cls, config: Any) -> ModelSpec:
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type {model_type!r} is not supported: pagedkv runs {SUPPORTED_MODEL_TYPES} models"
-            )
+            raise ValueError(f"model_type {model_type!r} is not supported: pagedkv runs {SUPPORTED_MODEL_TYPES} models")
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"only SwiGLU MLPs (hidden_act='silu') are supported, the config has {act!r}")
