@@ -18,9 +18,10 @@ class EngineConfig:
     `num_kv_blocks=None` sizes the pool from `kv_cache_memory_gb`. `max_model_len=None` takes the model's
     own context length. `attention_backend=None` means: `$PAGEDKV_ATTENTION_BACKEND` if set, else the
     compiled kernel when it builds, else the gather path. `linear_backend=None` likewise means
-    `$PAGEDKV_LINEAR_BACKEND`, else the compiled panel GEMM for steps of up to 128 rows when it builds,
+    `$PAGEDKV_LINEAR_BACKEND`, else the compiled panel GEMM (and RMSNorm) when it builds,
     else torch's GEMM everywhere. `dtype="q4"` reads the GGUF file's exact 4-/8-bit codes and needs the
-    panel GEMM.
+    panel GEMM. `num_speculative_tokens=k > 0` lets greedy requests guess up to k tokens a step from their
+    own history (prompt lookup, see `pagedkv.engine.speculative`); outputs stay greedy's.
     """
 
     model: str | None = None
@@ -34,6 +35,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str | None = None
     linear_backend: str | None = None
+    num_speculative_tokens: int = 0
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
@@ -57,6 +59,10 @@ class EngineConfig:
             )
         if self.linear_backend is not None and self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS} or None, got {self.linear_backend!r}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
+            raise ValueError(
+                f"num_speculative_tokens must be an int >= 0 (0 = off), got {self.num_speculative_tokens!r}"
+            )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 

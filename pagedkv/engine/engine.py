@@ -17,11 +17,12 @@ import torch
 
 from pagedkv.attention.backend import resolve_backend
 from pagedkv.config import EngineConfig
+from pagedkv.engine import speculative
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.outputs import build_output, check_stop
 from pagedkv.engine.request import Request, RequestOutput
 from pagedkv.engine.runner import ModelRunner, kv_block_bytes
-from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.scheduler import ScheduledRequest, Scheduler
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.model import panel
 from pagedkv.model.loader import load_model
@@ -47,12 +48,24 @@ class LLMEngine:
         block_bytes = kv_block_bytes(model.num_layers, config.block_size, model.num_kv_heads, model.head_dim)
         num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gb * 2**30) // block_bytes)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.num_speculative_tokens,
+            self.max_model_len,
+        )
         self.runner = ModelRunner(model, self.kv)
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
         self.groups: dict[str, list[Request]] = {}
         self.prompts: dict[str, str | None] = {}
-        self.counters = {"prompt_tokens_computed": 0, "generation_tokens": 0, "requests_finished": 0}
+        self.counters = {
+            "prompt_tokens_computed": 0,
+            "generation_tokens": 0,
+            "requests_finished": 0,
+            "draft_tokens": 0,
+            "draft_tokens_accepted": 0,
+        }
         self._ids = itertools.count()
         logger.info(
             "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, attention %s, linear %s",
@@ -158,6 +171,8 @@ class LLMEngine:
         logits, sampled = self.runner.execute(step)
         touched: dict[str, None] = {}
         for s in step.scheduled:
+            if s.draft_token_ids:
+                continue  # how many of its tokens count is known once the drafts are checked
             request = s.request
             start = request.num_computed_tokens
             request.num_computed_tokens += s.num_new_tokens
@@ -166,7 +181,7 @@ class LLMEngine:
             )
             self._cache_full_blocks(request)
         if sampled:
-            requests = [step.scheduled[i].request for i in sampled]
+            requests = [r for i, rows in sampled for r in [step.scheduled[i].request] * rows]  # one per row
             out = self.sampler(
                 logits,
                 [r.params for r in requests],
@@ -175,10 +190,35 @@ class LLMEngine:
                 [r.output_token_ids for r in requests],
             )
             now = time.perf_counter()
-            for row, request in enumerate(requests):
-                self._append_token(request, row, out, now)
-                touched[request.group_id] = None
+            row = 0
+            for i, rows in sampled:
+                s = step.scheduled[i]
+                if s.draft_token_ids:
+                    self._accept_drafts(s, row, out, now)
+                else:
+                    self._append_token(s.request, row, out, now)
+                touched[s.request.group_id] = None
+                row += rows
         return self._collect_outputs(touched)
+
+    def _accept_drafts(self, s: ScheduledRequest, row: int, out, now: float) -> None:
+        """Keep the drafts the model agreed with and its own token after them; the rest are forgotten.
+
+        The step computed K/V for the last token and every draft, but only the accepted drafts' entries are
+        right (a rejected draft was not the real token): the request counts those as computed, and the
+        wrong slots are simply overwritten later. Full blocks are cached only up to verified tokens.
+        """
+        request = s.request
+        chosen = out.token_ids[row : row + 1 + len(s.draft_token_ids)]
+        accepted = speculative.accepted_length(s.draft_token_ids, chosen)
+        self.counters["draft_tokens"] += len(s.draft_token_ids)
+        self.counters["draft_tokens_accepted"] += accepted
+        request.num_computed_tokens += 1 + accepted
+        for j in range(accepted + 1):
+            self._append_token(request, row + j, out, now)
+            if request.is_finished:
+                return
+        self._cache_full_blocks(request)
 
     def _cache_full_blocks(self, request: Request) -> None:
         if not self.kv.enable_prefix_caching:

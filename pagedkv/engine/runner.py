@@ -32,11 +32,16 @@ class ModelRunner:
         ]
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> tuple[Tensor, list[int]]:
+    def execute(self, step: SchedulerOutput) -> tuple[Tensor, list[tuple[int, int]]]:
         """Run the model on one step.
 
-        Returns the logits of the requests that reach the end of their known tokens this step (prefill done
-        or a decode) and their indices in ``step.scheduled``; unfinished prefill chunks sample nothing.
+        Returns logits for the requests that reach the end of their known tokens this step (prefill done or
+        a decode), and for each of them ``(index in step.scheduled, rows)``: one logits row, or ``1 + k``
+        consecutive rows for a decode with ``k`` drafts. Unfinished prefill chunks sample nothing.
+
+        A decode with drafts is, for attention, ``1 + k`` one-token requests over the same block table with
+        growing lengths: each row sees the drafts before it (all K/V are written before attention), and the
+        decode kernel serves them like any other decode.
         """
         input_ids: list[int] = []
         positions: list[int] = []
@@ -44,19 +49,26 @@ class ModelRunner:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         logits_rows: list[int] = []
-        sampled: list[int] = []
+        sampled: list[tuple[int, int]] = []
         for i, s in enumerate(step.scheduled):
             request = s.request
             start = request.num_computed_tokens
             end = start + s.num_new_tokens
-            input_ids.extend(request.token_ids[start:end])
+            input_ids.extend(request.token_ids[start : end - len(s.draft_token_ids)] + s.draft_token_ids)
             positions.extend(range(start, end))
-            block_tables.append(self.kv.block_table(request.request_id))
-            query_lens.append(s.num_new_tokens)
-            seq_lens.append(end)
-            if end == request.num_tokens:
-                logits_rows.append(len(input_ids) - 1)
-                sampled.append(i)
+            table = self.kv.block_table(request.request_id)
+            rows = 1 + len(s.draft_token_ids)
+            if s.draft_token_ids:  # one attention "request" per row, the same blocks, one more token each
+                block_tables.extend([table] * rows)
+                query_lens.extend([1] * rows)
+                seq_lens.extend(range(start + 1, end + 1))
+            else:
+                block_tables.append(table)
+                query_lens.append(s.num_new_tokens)
+                seq_lens.append(end)
+            if end - len(s.draft_token_ids) == request.num_tokens:
+                logits_rows.extend(range(len(input_ids) - rows, len(input_ids)))
+                sampled.append((i, rows))
         meta = AttentionMetadata.build(block_tables, query_lens, seq_lens, self.kv.block_size)
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.int64),

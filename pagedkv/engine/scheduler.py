@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from pagedkv.engine import speculative
 from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.kv.hashing import BlockKey, extend_block_keys
 from pagedkv.kv.manager import KVCacheManager
@@ -26,12 +27,13 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # known tokens to compute, plus the drafts
+    draft_token_ids: list[int] = field(default_factory=list)  # guessed next tokens, run after the last one
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest]  # requests with one new token first, then the prefill chunks
+    scheduled: list[ScheduledRequest]  # decodes (one new token, maybe with drafts) first, then prefill chunks
     num_preempted: int
 
     @property
@@ -40,10 +42,19 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        num_speculative_tokens: int = 0,
+        max_model_len: int | None = None,
+    ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -67,9 +78,13 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted = 0
         i = 0
+        draft_len = self._draft_length()
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            drafts = self._drafts(request, min(draft_len, budget - 1)) if num_new == 1 and draft_len else []
+            if drafts and not self.kv.allocate(request.request_id, request.num_tokens + len(drafts)):
+                drafts = []  # a guess never preempts anyone
             while not self.kv.allocate(request.request_id, request.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -77,13 +92,33 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled.append(ScheduledRequest(request, num_new))
-                budget -= num_new
+                scheduled.append(ScheduledRequest(request, num_new + len(drafts), drafts))
+                budget -= num_new + len(drafts)
                 i += 1
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
-        scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        scheduled.sort(key=lambda s: s.num_new_tokens != 1 and not s.draft_token_ids)
         return SchedulerOutput(scheduled, preempted)
+
+    def _draft_length(self) -> int:
+        """Drafts per decoding request this step: all of ``num_speculative_tokens`` while the step's decode
+        rows stay within ``speculative.MAX_ROWS``, fewer as the batch grows, none for a large batch."""
+        if not self.num_speculative_tokens:
+            return 0
+        decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        return max(0, min(self.num_speculative_tokens, speculative.MAX_ROWS // max(decoding, 1) - 1))
+
+    def _drafts(self, request: Request, limit: int) -> list[int]:
+        """Drafts for a decoding request: within ``limit``, its max_tokens (the model's own token after the
+        drafts comes too) and the model's context length."""
+        if limit < 1 or not speculative.can_speculate(request):
+            return []
+        max_tokens = request.params.max_tokens
+        if max_tokens is not None:
+            limit = min(limit, max_tokens - request.num_output_tokens - 1)
+        if self.max_model_len is not None:
+            limit = min(limit, self.max_model_len - request.num_tokens - 1)
+        return speculative.propose(request.token_ids, limit)
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
         """Admit waiting requests in arrival order while blocks, budget and seats last.

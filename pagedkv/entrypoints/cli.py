@@ -42,7 +42,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--linear-backend",
         choices=LINEAR_BACKENDS,
         default=None,
-        help="linear layers up to 128 rows: compiled panel GEMM or torch (default: panel if it builds)",
+        help="linear layers: compiled panel GEMM or torch (default: panel if it builds)",
+    )
+    group.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=defaults.num_speculative_tokens,
+        help="prompt-lookup drafts per greedy decode step (0 = off)",
     )
     group.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
@@ -60,6 +66,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "enable_prefix_caching": not args.no_prefix_caching,
         "attention_backend": args.attention_backend,
         "linear_backend": args.linear_backend,
+        "num_speculative_tokens": args.num_speculative_tokens,
         "num_threads": args.threads,
     }
 

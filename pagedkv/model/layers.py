@@ -24,9 +24,6 @@ _BF16_TIE_MARGIN = 2.0**-6
 # ``x @ W^T`` at this model's shapes on the 2-core AVX2 dev machine (LM head, 32 rows: 25 vs 39 ms);
 # outside that range F.linear was as fast or faster. Re-measure with benchmarks/linear_layout.py on a new machine.
 _TRANSPOSED_GEMM_ROWS = (8, 512)
-# Up to this many rows the panel kernel ran the whole model's linears 1.1-2.5x faster than MKL (fp32 and q4
-# alike, benchmarks/panel_linear.py); from ~256 rows (prefill) MKL was as fast or faster.
-_PANEL_MAX_ROWS = 128
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -55,11 +52,14 @@ class Linear(nn.Module):
         self.panel: PanelWeight | None = None
 
     def use_panel(self, format: str) -> bool:
-        """Also keep the weight packed for the panel kernel, which then serves steps of up to 128 rows.
+        """Also keep the weight packed for the panel kernel, which then serves every step.
+
+        Measured on the whole model's linears (2-core AVX2, benchmarks/panel_linear.py): 1.7-2.5x MKL's
+        throughput at 1-16 rows, 1.1-1.3x at 32-128, and 1.0-1.15x at 724 (prefill).
 
         ``format`` is ``"fp32"`` or a code the checkpoint used (``"q4"``, ``"q8"``); a quantised format is
         taken only when its codes give back every weight exactly (False otherwise, and nothing changes).
-        The row-major weight stays: it feeds the embedding lookup and MKL's GEMM for large prefill steps.
+        The row-major weight stays (the embedding lookup reads it, and it is the reference path).
         """
         if self.weight.dtype != torch.float32:
             return False
@@ -67,7 +67,7 @@ class Linear(nn.Module):
         return self.panel is not None
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.panel is not None and x.dim() == 2 and x.shape[0] <= _PANEL_MAX_ROWS:
+        if self.panel is not None:
             out = panel.panel_linear(x, self.panel)
             return out if self.bias is None else out.add_(self.bias)
         w = self.weight

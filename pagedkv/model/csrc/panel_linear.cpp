@@ -114,6 +114,7 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t kc, float*
   __m256 acc[MR][2];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+#pragma GCC unroll 4
   for (int64_t k = 0; k < kc; ++k) {
     const __m256 w0 = _mm256_loadu_ps(w + k * kPanel), w1 = _mm256_loadu_ps(w + k * kPanel + 8);
 #pragma GCC unroll 8
