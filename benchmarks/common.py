@@ -55,9 +55,7 @@ def sample_interleaved(
     if clock not in CLOCKS:
         raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {clock!r}")
     if clock == "cpu" and torch.get_num_threads() != 1:
-        raise ValueError(
-            "clock='cpu' counts only the calling thread: run with one intra-op thread (--threads 1)"
-        )
+        raise ValueError("clock='cpu' counts only the calling thread: run with one intra-op thread (--threads 1)")
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     now = CLOCKS[clock]

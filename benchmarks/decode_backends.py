@@ -70,8 +70,10 @@ def main() -> None:
     for name in ("kernel", "gather"):
         row = summary[name]
         print(f"{name:>7}: decode {row['decode_tok_s']:7.1f} tok/s   wall {row['wall_s']:6.2f} s   ({row['backend']})")
-    print(f"kernel / gather decode throughput: {summary['decode_speedup']}x; "
-          f"greedy outputs identical: {summary['outputs_identical']}")
+    print(
+        f"kernel / gather decode throughput: {summary['decode_speedup']}x; "
+        f"greedy outputs identical: {summary['outputs_identical']}"
+    )
     sys.exit(0 if summary["outputs_identical"] else 1)
 
 

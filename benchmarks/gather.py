@@ -159,8 +159,7 @@ def plot(rows: list[Row], path: str, clock: str) -> None:
         panels,
         "seq_len (tokens)",
         f"µs per call (median, {clock} clock)",
-        f"Gathering one request's K/V from the pool (block_size {BLOCK_SIZE}, "
-        f"{torch.get_num_threads()} threads)",
+        f"Gathering one request's K/V from the pool (block_size {BLOCK_SIZE}, {torch.get_num_threads()} threads)",
     )
 
 

@@ -61,9 +61,7 @@ class _StepClock:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
-def run_hf_generate(
-    model, prompts: list[list[int]], max_new_tokens: int, pad_id: int, eos_ids: set[int]
-) -> RunResult:
+def run_hf_generate(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int, eos_ids: set[int]) -> RunResult:
     from transformers import StoppingCriteriaList
 
     width = max(len(p) for p in prompts)
@@ -98,9 +96,7 @@ def run_hf_generate(
     )
 
 
-def run_hf_generate_batch(
-    model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int]
-) -> RunResult:
+def run_hf_generate_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int]) -> RunResult:
     from transformers import GenerationConfig
 
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(eos_ids))

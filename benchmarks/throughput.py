@@ -4,7 +4,8 @@
 
 Every engine runs the same conversations (greedy, 2 threads, the default SmolLM2 model) one after another in
 this process, so their numbers are comparable within the run. pagedkv runs three ways: fp32 with prefix
-caching, fp32 without it, and its fastest configuration (bf16 linear layers, compiled decode kernel).
+caching, fp32 without it, and its fastest configuration (compiled decode kernel, and linear layers on bf16
+where the CPU has bf16 GEMMs, else on the model file's exact Q4_1/Q8_0 codes through the panel GEMM).
 Results: a table on stdout, Markdown + PNG + JSON under benchmarks/results/.
 """
 
@@ -38,7 +39,7 @@ def native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-# bf16 linears where the CPU has bf16 GEMMs; elsewhere fp32 plus the GGUF's exact 4-bit codes for small steps
+# bf16 linears where the CPU has bf16 GEMMs; elsewhere the GGUF's exact 4-/8-bit codes on the panel GEMM
 FASTEST_DTYPE = "bfloat16" if native_bf16() else "q4"
 PAGEDKV_CONFIGS = {
     "pagedkv fp32, prefix caching": {"dtype": "float32", "enable_prefix_caching": True},

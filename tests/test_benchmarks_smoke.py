@@ -1,4 +1,4 @@
-"""The gather benchmark runs end to end in quick mode and prints a well-formed JSON summary.
+"""The benchmarks run end to end in quick mode and print well-formed summaries.
 
 Only the structure is checked, never the timings: the machine is shared and noisy.
 """
@@ -67,3 +67,18 @@ def test_throughput_quick_json(tmp_path):
     assert on["prompt_tokens_computed"] < off["prompt_tokens_computed"]
     assert all(row["output_tok_s"] > 0 for row in summary["results"])
     assert (tmp_path / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_panel_linear_quick_runs():
+    """The linear-layer benchmark checks every candidate against MKL before timing it; it must get that far."""
+    result = subprocess.run(
+        [sys.executable, "benchmarks/panel_linear.py", "--quick", "--rows", "1", "7", "--threads", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    table = result.stdout.splitlines()
+    assert table[1].split()[:4] == ["rows", "mkl_ms", "panel_fp32_ms", "panel_q4_ms"]
+    assert [line.split()[0] for line in table[2:]] == ["1", "7"]
