@@ -1,6 +1,7 @@
-"""The model's compiled CPU ops -- the panel GEMM and RMSNorm -- built together on first use, once per machine.
+"""The model's compiled CPU ops -- panel GEMM, RMSNorm, SiLU-and-multiply, RoPE -- built together on first use.
 
-Sources: ``csrc/panel_linear.cpp`` (see :mod:`pagedkv.model.panel`) and ``csrc/rms_norm.cpp``. They are
+Sources: ``csrc/panel_linear.cpp`` (see :mod:`pagedkv.model.panel`), ``csrc/rms_norm.cpp`` and
+``csrc/pointwise.cpp``. They are
 compiled into one library, cached like the decode attention kernel (see :mod:`pagedkv.extension`), so a
 machine pays one build for both. Where the build fails, :func:`available` is False (with one warning)
 and the model runs on torch's GEMM and ``F.rms_norm``.
@@ -16,12 +17,14 @@ from torch import Tensor
 
 from pagedkv import extension
 
-_SOURCES = (Path(__file__).parent / "csrc" / "panel_linear.cpp", Path(__file__).parent / "csrc" / "rms_norm.cpp")
+_SOURCES = tuple(
+    Path(__file__).parent / "csrc" / name for name in ("panel_linear.cpp", "rms_norm.cpp", "pointwise.cpp")
+)
 _NAME = "pagedkv_model_kernels"
 _CFLAGS = ("-O3", "-march=native", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 
-_state = extension.BuildOnce("model kernels (panel GEMM, RMSNorm)", "the model uses torch's GEMM and RMSNorm")
+_state = extension.BuildOnce("model kernels (panel GEMM, RMSNorm, ...)", "the model runs on torch's ops")
 
 
 def build_directory() -> Path:
@@ -57,3 +60,16 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     """
     _require()
     return torch.ops.pagedkv_norm.rms_norm(x, weight, eps, residual)
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """``silu(gate) * up`` for a contiguous fp32 ``gate_up [T, 2I]`` (gate first); returns ``[T, I]``."""
+    _require()
+    return torch.ops.pagedkv_pointwise.silu_mul(gate_up)
+
+
+def rope_(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """``x * cos + roll(x, D/2) * sin_signed`` in place on fp32 ``x [T, H, D]`` (any row strides, unit stride
+    in D); ``cos`` and ``sin_signed`` hold ``T * D`` contiguous values (e.g. ``[T, 1, D]``). Returns ``x``."""
+    _require()
+    return torch.ops.pagedkv_pointwise.rope_(x, cos, sin_signed)

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.attention.paged import paged_attention
 from pagedkv.config import ATTENTION_BACKENDS
+from pagedkv.model import kernels
 from pagedkv.model.layers import Linear, LMHead, RMSNorm, SwiGLU, empty_parameter, torch_dtype
 from pagedkv.model.rope import RotaryEmbedding, apply_rope
 from pagedkv.model.spec import ModelSpec
@@ -39,6 +40,7 @@ class LlamaAttention(nn.Module):
         # Qwen3's q_norm and k_norm, one row per head ([Hq + Hkv, D]) so both run as one normalisation.
         rows = spec.num_heads + spec.num_kv_heads
         self.qk_norm_weight = empty_parameter(rows, spec.head_dim, dtype=torch.float32) if spec.qk_norm else None
+        self.compiled = False  # RoPE in place, in C++ (set by the model with its compiled kernels)
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, kv_cache: tuple[Tensor, Tensor]
@@ -49,7 +51,7 @@ class LlamaAttention(nn.Module):
         qk = qkv[:, :split]
         if self.qk_norm_weight is not None:
             qk = nn.functional.rms_norm(qk, (self.head_dim,), eps=self.eps) * self.qk_norm_weight
-        qk = apply_rope(qk, cos, sin)
+        qk = kernels.rope_(qk, cos, sin) if self.compiled and qk.stride(-1) == 1 else apply_rope(qk, cos, sin)
         out = paged_attention(
             qk[:, : self.num_heads],
             qk[:, self.num_heads :],
@@ -99,15 +101,15 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_positions, spec.rope)
 
     def use_compiled_kernels(self, quantized: bool) -> Counter[str]:
-        """Run norms on the compiled RMSNorm and pack every fp32 linear layer (LM head included) for the
-        panel GEMM; returns the number of linear layers per panel format.
+        """Run norms, SiLU-and-multiply and RoPE on the compiled ops and pack every fp32 linear layer (LM head
+        included) for the panel GEMM; returns the number of linear layers per panel format.
 
         With ``quantized``, a layer takes the checkpoint's own codes where they reproduce its weights
         exactly -- Q4_1 (0.75 bytes a weight) before Q8_0 (1.125) -- and fp32 panels otherwise.
         """
         formats: Counter[str] = Counter()
         for module in self.modules():
-            if isinstance(module, RMSNorm):
+            if isinstance(module, (RMSNorm, SwiGLU, LlamaAttention)):
                 module.compiled = True
             if isinstance(module, Linear):
                 chosen = next((f for f in _CODES if quantized and module.use_panel(f)), None)

@@ -1,4 +1,5 @@
-"""The compiled RMSNorm (with and without the fused residual add) against torch's ``F.rms_norm``."""
+"""The compiled element-wise ops against torch: RMSNorm (with and without the fused residual add), SiLU-and-
+multiply, RoPE."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 
 from pagedkv.model import kernels
 from pagedkv.model.layers import RMSNorm
+from pagedkv.model.rope import apply_rope
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the model kernels could not be built here")
 
@@ -39,3 +41,30 @@ def test_bad_inputs_are_refused() -> None:
         kernels.rms_norm(torch.randn(2, 8), torch.ones(7), 1e-6)
     with pytest.raises(RuntimeError, match="residual"):
         kernels.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-6, torch.randn(3, 8))
+
+
+@pytest.mark.parametrize("rows", [1, 9, 300, 0])
+def test_silu_mul_matches_torch(rows: int) -> None:
+    gate_up = torch.randn(rows, 2 * 1536) * 4
+    if rows:  # the exp clamp: far outside it silu is x or 0, and must stay finite
+        gate_up[0, :6] = torch.tensor([-1e4, 1e4, 0.0, -88.5, 88.5, -20.0])
+    expected = F.silu(gate_up[:, :1536]) * gate_up[:, 1536:]
+    got = kernels.silu_mul(gate_up)
+    assert got.shape == (rows, 1536) and torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5)
+    with pytest.raises(RuntimeError, match="gate_up"):
+        kernels.silu_mul(torch.randn(3, 5))
+
+
+@pytest.mark.parametrize(("tokens", "dim"), [(1, 64), (7, 64), (40, 128), (3, 6)])
+def test_rope_in_place_on_a_strided_view(tokens: int, dim: int) -> None:
+    qkv = torch.randn(tokens, 15, dim)
+    cos, sin = torch.randn(tokens, 1, dim), torch.randn(tokens, 1, dim)
+    expected = apply_rope(qkv[:, :12], cos, sin)
+    work = qkv.clone()
+    out = kernels.rope_(work[:, :12], cos, sin)  # q|k heads of a fused qkv row: not contiguous
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(work[:, :12], expected, rtol=1e-6, atol=1e-6)  # in place
+    assert torch.equal(work[:, 12:], qkv[:, 12:])  # v heads untouched
+    with pytest.raises(RuntimeError, match="cos"):
+        kernels.rope_(work[:, :12], torch.randn(tokens + 1, 1, dim), sin)
