@@ -43,7 +43,7 @@ def available() -> bool:
 
 
 def _require() -> None:
-    if not available():
+    if _state.op is None and not available():  # the lock-free check first: this runs a few hundred times a step
         raise RuntimeError(f"the compiled model kernels are not available ({_state.error}): use linear_backend='torch'")
 
 
