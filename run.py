@@ -25,9 +25,7 @@ DEFAULT_WORKLOAD = Path(__file__).parent / "workloads" / "chat_shared_prefix.jso
 def load_workload(path: Path, max_requests: int | None) -> tuple[list[list[dict[str, str]]], int]:
     data = json.loads(path.read_text())
     questions = data["questions"][:max_requests]
-    conversations = [
-        [{"role": "system", "content": data["system"]}, {"role": "user", "content": q}] for q in questions
-    ]
+    conversations = [[{"role": "system", "content": data["system"]}, {"role": "user", "content": q}] for q in questions]
     return conversations, int(data.get("max_new_tokens", 64))
 
 
@@ -43,21 +41,15 @@ def run_round(llm: LLM, conversations, params: SamplingParams, name: str) -> lis
     generated = sum(len(o.token_ids) for o in outputs)
     ttfts = [o.metrics["ttft"] * 1000 for o in outputs]
     print(f"\n== {name} ==")
-    print(
-        f"  prefix-cache hit rate   {hits / max(queried, 1):6.1%}  ({hits} of {queried} prompt tokens reused)"
-    )
+    print(f"  prefix-cache hit rate   {hits / max(queried, 1):6.1%}  ({hits} of {queried} prompt tokens reused)")
     print(f"  prompt tokens computed  {computed}")
     print(f"  TTFT mean / p50         {statistics.mean(ttfts):.0f} ms / {statistics.median(ttfts):.0f} ms")
-    print(
-        f"  throughput              {generated / wall:.1f} output tokens/s  ({generated} tokens in {wall:.2f} s)"
-    )
+    print(f"  throughput              {generated / wall:.1f} output tokens/s  ({generated} tokens in {wall:.2f} s)")
     return outputs
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
     parser.add_argument("--max-requests", type=int, default=None)
     add_engine_args(parser)
@@ -65,9 +57,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     conversations, max_new_tokens = load_workload(args.workload, args.max_requests)
-    print(
-        f"pagedkv demo: {len(conversations)} chat requests sharing one system prompt ({args.workload.name})"
-    )
+    print(f"pagedkv demo: {len(conversations)} chat requests sharing one system prompt ({args.workload.name})")
     load_start = time.perf_counter()
     llm = LLM(**engine_kwargs(args))
     print(f"model loaded in {time.perf_counter() - load_start:.1f} s: {llm.engine.model_path}")
