@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pagedkv.config import ATTENTION_BACKENDS, DTYPES, LINEAR_BACKENDS, EngineConfig
 
-BENCHMARKS = ("gather", "attention", "throughput")
+BENCHMARKS = ("gather", "attention", "panel_linear", "throughput")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 
-    bench = sub.add_parser("bench", help="run a benchmark script (gather, attention, throughput)")
+    bench = sub.add_parser("bench", help=f"run a benchmark script ({', '.join(BENCHMARKS)})")
     bench.add_argument("benchmark", choices=BENCHMARKS)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options passed to the script (try --help)")
     bench.set_defaults(func=cmd_bench)
