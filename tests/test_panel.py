@@ -167,3 +167,26 @@ def test_q4_and_panel_engines_match_the_torch_gemm_engine() -> None:
         del llm
     assert answers["panel"] == answers["torch"]
     assert answers["q4"] == answers["torch"]
+
+
+def test_a_broken_compiler_falls_back_to_torch(monkeypatch, tmp_path, caplog) -> None:
+    """No compiler: the linear backend resolves to torch with one warning instead of failing the engine.
+
+    (The torch path itself is what tests/test_engine_hf.py and tests/test_model_hf.py check against HF.)
+    """
+    import logging
+
+    monkeypatch.setattr(kernels, "_state", kernels._state.fresh())
+    monkeypatch.setenv("CXX", "/bin/false")
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path))  # an empty cache: the build is attempted
+    monkeypatch.delenv(panel.ENV_VAR, raising=False)
+    with caplog.at_level(logging.WARNING):
+        assert panel.resolve_backend(None) == "torch"
+        assert panel.resolve_backend("panel") == "torch"
+    assert sum("could not be built" in r.getMessage() for r in caplog.records) == 1
+    assert any("'panel' was asked for" in r.getMessage() for r in caplog.records)
+    with pytest.raises(RuntimeError, match="linear_backend='torch'"):
+        panel.panel_linear(torch.randn(2, 32), panel.pack(torch.randn(16, 32), "fp32"))
+    monkeypatch.setenv(panel.ENV_VAR, "mkl")
+    with pytest.raises(ValueError, match=panel.ENV_VAR):
+        panel.resolve_backend(None)
