@@ -88,3 +88,35 @@ def test_config_rejects_negative_drafts() -> None:
 
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig(num_speculative_tokens=-1)
+
+
+@pytest.mark.slow
+def test_streamed_deltas_add_up_and_stop_strings_cut_inside_a_draft() -> None:
+    """A step may now add several tokens: the deltas must still add up to the final text, and a stop string
+    that completes inside an accepted draft must end the output exactly where it does without drafts."""
+    llm = LLM(attention_backend="gather", num_speculative_tokens=4)
+    engine = llm.engine
+    prompt = engine.apply_chat_template([{"role": "user", "content": REPEAT}])
+    results = {}
+    for drafts in (4, 0):
+        engine.scheduler.num_speculative_tokens = drafts
+        for stop in ([], ["grapes"]):
+            rid = engine.add_request(
+                prompt_token_ids=prompt, params=SamplingParams(max_tokens=60, temperature=0, stop=stop)
+            )
+            text, tokens, final = "", [], None
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    assert out.request_id == rid
+                    text += out.outputs[0].delta_text
+                    tokens += out.outputs[0].delta_token_ids
+                    final = out
+            assert final is not None and final.finished
+            assert text == final.outputs[0].text and tokens == final.outputs[0].token_ids
+            results[drafts, tuple(stop)] = (text, final.outputs[0].finish_reason)
+    assert llm.stats()["draft_tokens_accepted"] > 0
+    assert results[4, ()] == results[0, ()]
+    assert results[4, ("grapes",)] == results[0, ("grapes",)]
+    assert "grapes" in results[0, ()][0]  # the stop string really occurs, so the cut was exercised
+    assert results[0, ("grapes",)][1] == "stop"
+    assert engine.kv.num_used_blocks == 0
