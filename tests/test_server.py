@@ -298,6 +298,7 @@ def test_metrics_parse_and_prefix_cache_counters_move(server, client):
     assert delta("requests_total", (("finish_reason", resp.choices[0].finish_reason),)) == 1
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_blocks_used"):
         assert ("pagedkv:" + gauge, ()) in after
+    assert delta("spec_decode_draft_tokens_total") == 0  # exported; this server runs without drafts
     assert after[("pagedkv:inter_token_latency_seconds_count", ())] > 0
 
 

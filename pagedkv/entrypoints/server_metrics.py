@@ -47,6 +47,8 @@ ENGINE_COUNTERS = {
     "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache"),
     "evictions": ("kv_block_evictions", "Cached KV blocks evicted to make room"),
     "num_preemptions": ("preemptions", "Requests preempted for lack of KV blocks"),
+    "draft_tokens": ("spec_decode_draft_tokens", "Speculative draft tokens proposed"),
+    "draft_tokens_accepted": ("spec_decode_accepted_tokens", "Speculative draft tokens the model agreed with"),
 }
 ENGINE_GAUGES = {
     "num_requests_running": ("num_requests_running", "Sequences in the running batch"),
