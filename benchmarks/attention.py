@@ -23,7 +23,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 import torch
-from common import add_output_args, format_table, plot_lines, sample_interleaved, setup_threads, write_json
+from common import add_output_args, format_table, panels_by, plot_lines, sample_interleaved, setup_threads, write_json
 
 from pagedkv.attention.kernel import decode_attention_kernel, decode_attention_reference, kernel_available
 
@@ -172,16 +172,14 @@ def acceptance(rows: list[Row]) -> list[dict[str, object]]:
 
 
 def plot(rows: list[Row], path: str) -> None:
-    panels = {}
-    for r in rows:
-        key = f"Hkv {r.num_kv_heads}, Hq {r.num_q_heads}, D {r.head_dim}, {r.dtype}, batch {r.batch}"
-        xs, series = panels.setdefault(key, ([], {m: [] for m in METHODS}))
-        xs.append(r.context)
-        for m in METHODS:
-            series[m].append(r.times_us[m])
     plot_lines(
         path,
-        panels,
+        panels_by(
+            rows,
+            METHODS,
+            lambda r: f"Hkv {r.num_kv_heads}, Hq {r.num_q_heads}, D {r.head_dim}, {r.dtype}, batch {r.batch}",
+            lambda r: r.context,
+        ),
         "context (tokens)",
         "µs per step (median)",
         f"Paged decode attention, one layer (block_size {BLOCK_SIZE}, {torch.get_num_threads()} threads)",

@@ -100,6 +100,20 @@ def write_json(data: Any, path: str | Path) -> Path:
     return path
 
 
+def panels_by(
+    rows: Sequence[Any], methods: Sequence[str], panel: Callable[[Any], str], x: Callable[[Any], float]
+) -> dict[str, tuple[list[float], dict[str, list[float]]]]:
+    """Group timed rows (each with ``times_us[method]``) into :func:`plot_lines` panels: one panel per
+    ``panel(row)``, ``x(row)`` on the x axis, one series per method."""
+    panels: dict[str, tuple[list[float], dict[str, list[float]]]] = {}
+    for row in rows:
+        xs, series = panels.setdefault(panel(row), ([], {m: [] for m in methods}))
+        xs.append(x(row))
+        for m in methods:
+            series[m].append(row.times_us[m])
+    return panels
+
+
 def plot_lines(
     path: str | Path,
     panels: dict[str, tuple[Sequence[float], dict[str, Sequence[float]]]],

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
-from common import add_output_args, format_table, plot_lines, sample_interleaved, setup_threads, write_json
+from common import add_output_args, format_table, panels_by, plot_lines, sample_interleaved, setup_threads, write_json
 
 from pagedkv.kv import ops
 
@@ -147,16 +147,9 @@ def acceptance(rows: list[Row]) -> list[dict[str, object]]:
 
 
 def plot(rows: list[Row], path: str, clock: str) -> None:
-    panels = {}
-    for r in rows:
-        key = f"{r.num_kv_heads} heads x {r.head_dim}, {r.dtype}"
-        xs, series = panels.setdefault(key, ([], {m: [] for m in METHODS}))
-        xs.append(r.seq_len)
-        for m in METHODS:
-            series[m].append(r.times_us[m])
     plot_lines(
         path,
-        panels,
+        panels_by(rows, METHODS, lambda r: f"{r.num_kv_heads} heads x {r.head_dim}, {r.dtype}", lambda r: r.seq_len),
         "seq_len (tokens)",
         f"µs per call (median, {clock} clock)",
         f"Gathering one request's K/V from the pool (block_size {BLOCK_SIZE}, {torch.get_num_threads()} threads)",
