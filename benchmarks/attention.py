@@ -16,14 +16,21 @@ Run: ``python benchmarks/attention.py`` (``--quick`` for a few seconds, ``--json
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
 from dataclasses import asdict, dataclass
 
 import torch
-from common import add_output_args, format_table, panels_by, plot_lines, sample_interleaved, setup_threads, write_json
+from common import (
+    add_output_args,
+    finish_report,
+    format_table,
+    panels_by,
+    plot_lines,
+    sample_interleaved,
+    setup_threads,
+)
 
 from pagedkv.attention.kernel import decode_attention_kernel, decode_attention_reference, kernel_available
 
@@ -229,20 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{'met' if a['met'] else 'NOT met'}",
             file=text_out,
         )
-    disturbance = max(r.times_us["floor"] / r.min_us["floor"] for r in rows)
-    if disturbance > 2:
-        print(
-            f"outside load: the memcpy's median reached {disturbance:.1f}x its fastest sample; rerun, or compare "
-            "min_us in --json",
-            file=text_out,
-        )
-    if args.plot:
-        plot(rows, args.plot)
-        print(f"plot: {args.plot}", file=text_out)
-    if args.out_json:
-        write_json(summary, args.out_json)
-    if args.json:
-        print(json.dumps(summary, indent=2))
+    finish_report(rows, summary, args, text_out, lambda: plot(rows, args.plot))
     return 0
 
 

@@ -100,6 +100,27 @@ def write_json(data: Any, path: str | Path) -> Path:
     return path
 
 
+def finish_report(
+    rows: Sequence[Any], summary: dict, args: argparse.Namespace, text_out, plot: Callable[[], None]
+) -> None:
+    """The common end of a micro-benchmark: warn when outside load distorted the memory floor (its median far
+    above its fastest sample), then the plot (``--plot``), ``--out-json`` and ``--json`` outputs."""
+    disturbance = max(r.times_us["floor"] / r.min_us["floor"] for r in rows)
+    if disturbance > 2:
+        print(
+            f"outside load: the floor's median reached {disturbance:.1f}x its fastest sample; "
+            "compare within this run only, or see min_us in --json",
+            file=text_out,
+        )
+    if args.plot:
+        plot()
+        print(f"plot: {args.plot}", file=text_out)
+    if args.out_json:
+        write_json(summary, args.out_json)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+
+
 def panels_by(
     rows: Sequence[Any], methods: Sequence[str], panel: Callable[[Any], str], x: Callable[[Any], float]
 ) -> dict[str, tuple[list[float], dict[str, list[float]]]]:

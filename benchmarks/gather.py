@@ -16,7 +16,6 @@ Run: ``python benchmarks/gather.py`` (``--quick`` for a few seconds, ``--json`` 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -24,7 +23,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
-from common import add_output_args, format_table, panels_by, plot_lines, sample_interleaved, setup_threads, write_json
+from common import (
+    add_output_args,
+    finish_report,
+    format_table,
+    panels_by,
+    plot_lines,
+    sample_interleaved,
+    setup_threads,
+)
 
 from pagedkv.kv import ops
 
@@ -189,20 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             f"ours/floor {a['ours_over_floor']:.2f}x (target <= {ACCEPT_VS_FLOOR}): {verdict}",
             file=text_out,
         )
-    disturbance = max(r.times_us["floor"] / r.min_us["floor"] for r in rows)
-    if disturbance > 2:
-        print(
-            f"outside load: the floor's median reached {disturbance:.1f}x its fastest sample; "
-            "compare within this run only, or see min_us in --json",
-            file=text_out,
-        )
-    if args.plot:
-        plot(rows, args.plot, args.clock)
-        print(f"plot: {args.plot}", file=text_out)
-    if args.out_json:
-        write_json(summary, args.out_json)
-    if args.json:
-        print(json.dumps(summary, indent=2))
+    finish_report(rows, summary, args, text_out, lambda: plot(rows, args.plot, args.clock))
     return 0
 
 
