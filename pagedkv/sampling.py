@@ -2,34 +2,50 @@
 
 Field names, defaults and meanings follow vLLM's SamplingParams so that code written against vLLM reads the
 same here. Validation happens in `__post_init__`, so a bad value fails where the user wrote it, not deep
-inside a batched engine step; every message names the field and the range it accepts. The batched sampler
-that consumes these lives in `pagedkv.sampler`.
+inside a batched engine step; every message names the field and the range it accepts. The bounds hold in the
+precision the sampler computes in (float32), not just in Python's float64: `top_p=1e-50` is a valid float64
+but 0 in float32. The batched sampler that consumes these lives in `pagedkv.sampler`.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows to inf/nan, and the
 # distribution is a point mass on the argmax for all practical purposes anyway (vLLM uses the same cut).
 SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
+# logits / T must stay finite and mean something in float32. Model logits are at most a few dozen, so at
+# T = 100 every token is already within a factor ~2 of uniform; and from 3.4e38 on float32(T) is inf,
+# where a masked -inf logit divided by T is NaN, which unmasks it.
+TEMPERATURE_MAX = 100.0
+# The nucleus always holds the most likely token, whose probability is at least 1/V; for any vocabulary
+# under a million tokens a smaller top_p keeps that token alone (use temperature=0 or top_k=1 to say so).
+# Far below this top_p rounds to 0 in float32 and no token would qualify.
+TOP_P_MIN = 1e-6
+# min_p is applied as the logit threshold max + log(min_p) in float32: a non-zero min_p below the smallest
+# normal float32 would silently become 0 there (filter off) or a denormal, so it is rejected, not rounded.
+MIN_P_MIN = 2.0**-126
+# Repetition divides positive and multiplies negative logits by the penalty: 1e-50 is 0 in float32 (x / 0
+# is inf, -inf * 0 is NaN). Within [0.01, 100] a logit moves by at most 100x and stays finite for any
+# sane model; useful values are 1-2 (1 = off).
+REPETITION_PENALTY_MIN = 0.01
+REPETITION_PENALTY_MAX = 100.0
+# Token ids become int64 tensor indices.
+TOKEN_ID_LIMIT = 2**63
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_range(name: str, value: float, lo: float, hi: float, *, lo_open: bool = False) -> None:
-    """Raise unless lo <= value <= hi (lo < value if lo_open); NaN fails every comparison, so it fails too."""
+def _check_range(name: str, value: float, lo: float, hi: float, *, hint: str = "") -> None:
+    """Raise unless lo <= value <= hi; NaN fails every comparison, so it fails too. hint ends the message."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    ok = (lo < value if lo_open else lo <= value) and value <= hi
-    if not ok:
-        left = "(" if lo_open else "["
-        right = "inf)" if math.isinf(hi) else f"{hi}]"
-        raise ValueError(f"{name} must be in {left}{lo}, {right}, got {value!r}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value!r}" + (f" ({hint})" if hint else ""))
 
 
 @dataclass(slots=True)
@@ -38,13 +54,17 @@ class SamplingParams:
 
     n: completions per prompt. max_tokens: output-token budget (None = until max_model_len).
     min_tokens: EOS and stop_token_ids are masked out until this many tokens exist (stop strings are not
-    checked before then either). temperature: 0 (anything below SAMPLING_EPS) means greedy.
-    top_p in (0, 1], top_k (0 or -1 = disabled; -1 is stored as 0), min_p in [0, 1]: applied in that order
-    after temperature. seed: a per-request generator, so the request draws the same tokens whatever else
-    shares its batch. presence/frequency_penalty in [-2, 2] act on output tokens; repetition_penalty > 0
-    (1 = off) acts on prompt and output tokens. stop: strings that end the output (a single str becomes a
-    one-element list); stop_token_ids: extra ids that end it. logprobs: return the sampled token's logprob
-    plus the top-N (0..20) alternatives, all from the raw model logits.
+    checked before then either). temperature in [0, 100]: 0 (anything below SAMPLING_EPS) means greedy.
+    top_p in [1e-6, 1], top_k (0 or -1 = disabled; -1 is stored as 0), min_p 0 or in [2**-126, 1]: applied
+    in that order after temperature. seed: a per-request generator, so the request draws the same tokens
+    whatever else shares its batch. presence/frequency_penalty in [-2, 2] act on output tokens;
+    repetition_penalty in [0.01, 100] (1 = off) acts on prompt and output tokens. stop: strings that end
+    the output (a single str becomes a one-element list); stop_token_ids: extra ids that end it (also kept
+    as stop_token_id_set). logprobs: return the sampled token's logprob plus the top-N (0..20)
+    alternatives, all from the raw model logits.
+
+    Every value these checks accept is safe for the sampler in float32 (see the bounds above); whether
+    min_tokens leaves any token to sample depends on the model, so `verify_for_model` checks that.
     """
 
     n: int = 1
@@ -64,6 +84,9 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Derived from stop_token_ids at creation: the engine asks "is this token a stop id?" every step, and a
+    # list makes that O(len) for a request that sends a long one.
+    stop_token_id_set: frozenset[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._validate_counts()
@@ -97,22 +120,30 @@ class SamplingParams:
             )
 
     def _validate_distribution(self) -> None:
-        _check_range("temperature", self.temperature, 0.0, math.inf)
-        if math.isinf(self.temperature):
-            raise ValueError(f"temperature must be finite (0 = greedy), got {self.temperature!r}")
-        _check_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _check_range("temperature", self.temperature, 0.0, TEMPERATURE_MAX, hint="0 = greedy")
+        _check_range(
+            "top_p",
+            self.top_p,
+            TOP_P_MIN,
+            1.0,
+            hint=f"below {TOP_P_MIN} the nucleus is the most likely token alone: use temperature=0 or top_k=1",
+        )
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an int: -1 or 0 (disabled) or >= 1, got {self.top_k!r}")
         if self.top_k == -1:
             self.top_k = 0
         _check_range("min_p", self.min_p, 0.0, 1.0)
+        if 0.0 < self.min_p < MIN_P_MIN:
+            raise ValueError(
+                f"min_p must be 0 or in [{MIN_P_MIN}, 1.0] (a normal float32; smaller is 0 to the sampler), "
+                f"got {self.min_p!r}"
+            )
 
     def _validate_penalties(self) -> None:
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check_range("repetition_penalty", self.repetition_penalty, 0.0, math.inf, lo_open=True)
-        if math.isinf(self.repetition_penalty):
-            raise ValueError(f"repetition_penalty must be finite and > 0 (1 = off), got {self.repetition_penalty!r}")
+        rep = self.repetition_penalty
+        _check_range("repetition_penalty", rep, REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX, hint="1 = off")
 
     def _validate_stops(self) -> None:
         if self.stop is None:
@@ -126,8 +157,27 @@ class SamplingParams:
                 raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {s!r} in it")
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         for t in self.stop_token_ids:
-            if not _is_int(t) or t < 0:
-                raise ValueError(f"stop_token_ids must hold ints >= 0, got {t!r} in it")
+            if not _is_int(t) or not 0 <= t < TOKEN_ID_LIMIT:
+                raise ValueError(f"stop_token_ids must hold ints in [0, 2**63) (int64 token ids), got {t!r} in it")
+        self.stop_token_id_set = frozenset(self.stop_token_ids)
+
+    def verify_for_model(self, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+        """Raise ValueError when min_tokens would leave this model no token to sample.
+
+        Below min_tokens the sampler masks stop_token_ids and EOS (unless ignore_eos); only the model knows
+        its vocabulary and EOS ids, so the engine calls this once when it accepts the request, not per step.
+        """
+        if self.min_tokens == 0:
+            return
+        masked = self.stop_token_id_set if self.ignore_eos else self.stop_token_id_set.union(eos_token_ids)
+        if len(masked) >= vocab_size and sum(1 for t in masked if 0 <= t < vocab_size) == vocab_size:
+            eos = "" if self.ignore_eos else " (with EOS)"
+            raise ValueError(
+                f"stop_token_ids must leave one of the model's {vocab_size} token ids to sample while min_tokens "
+                f"({self.min_tokens}) is > 0, but{eos} they cover all of them; remove some stop_token_ids"
+                + ("" if self.ignore_eos else ", set ignore_eos=True")
+                + " or set min_tokens=0"
+            )
 
     @property
     def greedy(self) -> bool:
