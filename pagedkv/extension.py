@@ -2,20 +2,34 @@
 
 A build lives in ``<cache_root>/torch_extensions/<prefix><hash>``; the hash covers the source, the flags,
 torch, Python and the CPU's instruction set, so a build is reused only where it is valid (``-march=native``
-code must not run on another CPU). Concurrent first builds in one directory are serialised by torch's lock
-file there.
+code must not run on another CPU).
+
+The cache must never hang a start, load a broken library or run someone else's code:
+
+- Builds in one directory are serialised by an ``fcntl.flock`` on ``build.flock`` there. The kernel drops
+  the lock when its holder dies, so a killed build never blocks the next start, unlike torch's own ``lock``
+  file (an O_EXCL file that torch waits on forever): whoever holds our lock knows any torch ``lock`` file
+  is stale and removes it. Waiting for a live build gives up after :data:`BUILD_WAIT_S`.
+- Only a finished build is trusted: ``build.done`` is written (atomically) once the library was built and
+  loaded. Without it the directory's outputs, perhaps a half-written ``.so``, are wiped and rebuilt.
+- Every cache directory must belong to the current user and be writable by no one else, checked before
+  any library in it is loaded: whoever can write there can plant a ``.so`` that we would run.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import platform
+import shutil
+import stat
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -24,7 +38,18 @@ from pagedkv.config import cache_root
 
 logger = logging.getLogger(__name__)
 
-STALE_LOCK_S = 600  # a build takes well under a minute; a lock this old belongs to a killed one
+BUILD_WAIT_S = 300.0  # a build takes under a minute on 2 cores; a wait this long means a stuck build
+LOCK_FILE = "build.flock"  # held (flock) by the process that checks or builds this directory
+DONE_FILE = "build.done"  # written once the library was built and loaded: only then is it trusted
+TORCH_LOCK_FILE = "lock"  # torch's FileBaton, left behind by a killed build
+
+
+class UnsafeCacheDirectory(PermissionError):
+    """A cache directory (or library) another user could write: loading from it could run their code."""
+
+
+class BuildInProgress(TimeoutError):
+    """Another live process has been building in the directory for longer than :data:`BUILD_WAIT_S`."""
 
 
 def cpu_flags() -> str:
@@ -52,40 +77,131 @@ def build_directory(source: Path | Sequence[Path], flags: Sequence[str], prefix:
     return cache_root() / "torch_extensions" / f"{prefix}{key.hexdigest()[:16]}"
 
 
+def check_private(path: Path) -> None:
+    """Raise :class:`UnsafeCacheDirectory` unless ``path`` is the current user's and no one else can write it."""
+    info = path.stat()
+    uid = os.geteuid()
+    if info.st_uid != uid:
+        raise UnsafeCacheDirectory(
+            f"{path} belongs to uid {info.st_uid}, not to you (uid {uid}), so pagedkv will not load compiled "
+            f"code from it: `chown -R {uid} {path}`, or set PAGEDKV_CACHE_DIR to a directory of your own"
+        )
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeCacheDirectory(
+            f"{path} is writable by group or others (mode {stat.S_IMODE(info.st_mode):o}), so pagedkv will not "
+            f"load compiled code from it: `chmod go-w {path}`"
+        )
+
+
+def make_private_directory(directory: Path) -> None:
+    """Create the cache root and the directories below it down to ``directory`` (mode 0o700), checking each.
+
+    Top down, so nothing is created or read inside a directory that is refused; 0o700 rather than the
+    umask's default, so a umask of 002 does not get our own directories refused.
+    """
+    root = cache_root()
+    if not directory.is_relative_to(root):
+        raise ValueError(f"build directory {directory} is outside the cache root {root}: use build_directory()")
+    root.parent.mkdir(parents=True, exist_ok=True)
+    parts = directory.relative_to(root).parts
+    for path in (root, *(root.joinpath(*parts[:i]) for i in range(1, len(parts) + 1))):
+        path.mkdir(mode=0o700, exist_ok=True)
+        check_private(path)
+
+
+@contextmanager
+def exclusive_build(directory: Path) -> Iterator[None]:
+    """Hold ``directory``'s build lock; raise :class:`BuildInProgress` after ``BUILD_WAIT_S`` s of waiting.
+
+    ``flock`` rather than an O_EXCL file: the kernel releases it when the holder exits or is killed, so
+    the lock can never be stale, and a wait here always waits for a live process.
+    """
+    path = directory / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        deadline = time.monotonic() + BUILD_WAIT_S
+        waited = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise BuildInProgress(
+                        f"another process has been building in {directory} for over {BUILD_WAIT_S:.0f} s "
+                        f"(`fuser -v {path}` shows which): let it finish, or stop it and start again"
+                    ) from None
+                if not waited:
+                    logger.info("waiting for another process building in %s", directory)
+                    waited = True
+                time.sleep(0.1)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def clear_outputs(directory: Path) -> None:
+    """Remove everything a build left in ``directory`` but our lock file: the done marker first."""
+    (directory / DONE_FILE).unlink(missing_ok=True)
+    for entry in directory.iterdir():
+        if entry.name == LOCK_FILE:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
 def load_or_build(
     name: str, source: Path | Sequence[Path], cflags: Sequence[str], ldflags: Sequence[str], directory: Path
 ) -> None:
     """Load the cached library into ``torch.ops``, else compile it there (raises if that fails).
 
-    A finished build (library present, no lock file of a build in progress) is loaded directly: importing
-    ``torch.utils.cpp_extension`` and asking ninja would cost ~0.4 s at every engine start.
+    A finished build (its done marker present) is loaded directly: importing ``torch.utils.cpp_extension``
+    and asking ninja would cost ~0.4 s at every engine start. Otherwise, under the build lock, the
+    directory is looked at again (another process may just have finished), then wiped and built.
     """
-    library, lock = directory / f"{name}.so", directory / "lock"
-    if library.exists() and not lock.exists():
-        try:
-            torch.ops.load_library(str(library))
+    make_private_directory(directory)
+    library, done = directory / f"{name}.so", directory / DONE_FILE
+    if _load_finished(library, done):
+        return
+    with exclusive_build(directory):
+        if _load_finished(library, done):
             return
-        except (OSError, RuntimeError):
-            logger.debug("cached %s did not load, trying a regular build", library, exc_info=True)
-    from torch.utils import cpp_extension
+        if done.exists():
+            logger.warning("cached %s did not load; building it again", library)
+        if (directory / TORCH_LOCK_FILE).exists():
+            logger.warning("removing %s, left by a build that did not finish", directory / TORCH_LOCK_FILE)
+        clear_outputs(directory)
+        from torch.utils import cpp_extension
 
-    # torch waits for the lock file forever; one left by a killed build would hang every later start.
+        built = cpp_extension.load(
+            name=name,
+            sources=[str(source)] if isinstance(source, Path) else [str(s) for s in source],
+            extra_cflags=list(cflags),
+            extra_ldflags=list(ldflags),  # fresh lists: torch appends its own flags to them
+            build_directory=str(directory),
+            verbose=False,
+            is_python_module=False,
+        )
+        mode = stat.S_IMODE(os.stat(built).st_mode)
+        os.chmod(built, mode & ~(stat.S_IWGRP | stat.S_IWOTH))  # a umask of 002 must not get it refused
+        partial = directory / f"{DONE_FILE}.tmp"
+        partial.write_text(f"{Path(built).name}\n")
+        os.replace(partial, done)
+
+
+def _load_finished(library: Path, done: Path) -> bool:
+    """Load ``library`` if its build finished; False if there is none or it does not load (then it is rebuilt)."""
+    if not (done.exists() and library.exists()):
+        return False
+    check_private(library)
     try:
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            logger.warning("removing %s, left by a build that did not finish", lock)
-            lock.unlink(missing_ok=True)
-    except FileNotFoundError:
-        pass
-    directory.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name=name,
-        sources=[str(source)] if isinstance(source, Path) else [str(s) for s in source],
-        extra_cflags=list(cflags),
-        extra_ldflags=list(ldflags),  # fresh lists: torch appends its own flags to them
-        build_directory=str(directory),
-        verbose=False,
-        is_python_module=False,
-    )
+        torch.ops.load_library(str(library))
+    except (OSError, RuntimeError):
+        logger.debug("cached %s did not load", library, exc_info=True)
+        return False
+    return True
 
 
 def summarize_error(exc: BaseException) -> str:
@@ -105,6 +221,7 @@ class BuildOnce:
         self.tried = False
         self.op: Callable | None = None
         self.error: str | None = None
+        self.refused: str | None = None  # an unsafe cache's message, raised at every call
         self._lock = threading.Lock()
 
     def fresh(self) -> BuildOnce:
@@ -112,16 +229,24 @@ class BuildOnce:
         return BuildOnce(self.what, self.fallback)
 
     def available(self, build: Callable[[], Callable]) -> bool:
-        """Run ``build`` on the first call; False, with one warning, if it failed (no compiler, no ninja, ...)."""
+        """Run ``build`` on the first call; False, with one warning, if it failed (no compiler, no ninja, ...).
+
+        An unsafe cache directory raises :class:`UnsafeCacheDirectory` instead, at every call: it is an
+        error the user must fix, not a reason to run slower.
+        """
         with self._lock:
             if not self.tried:
                 self.tried = True
                 try:
                     self.op = build()
-                except Exception as exc:  # whatever stops the build means: use the fallback
+                except UnsafeCacheDirectory as exc:
+                    self.refused = self.error = str(exc)
+                except Exception as exc:  # whatever else stops the build means: use the fallback
                     self.error = summarize_error(exc)
                     logger.debug("%s build failed", self.what, exc_info=True)
                     logger.warning("pagedkv: the %s could not be built (%s); %s", self.what, self.error, self.fallback)
+            if self.refused is not None:
+                raise UnsafeCacheDirectory(self.refused)
             return self.op is not None
 
 
@@ -136,6 +261,8 @@ def choose_backend(
 
     The argument wins, then ``$env_var``, then the compiled op if it builds. Asking for the compiled op
     where it cannot be built falls back with a warning rather than failing: an engine must start anyway.
+    An unsafe cache directory is the exception: :class:`UnsafeCacheDirectory` reaches the caller, so the
+    user fixes it rather than running slower without knowing why.
     """
     compiled, fallback = choices
     source = f"the {what} argument"

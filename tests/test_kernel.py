@@ -165,9 +165,10 @@ def fresh_build(monkeypatch, tmp_path):
     monkeypatch.delenv(ENV_VAR, raising=False)
 
 
-@pytest.mark.parametrize("age_s,kept", [(3600, False), (0, True)])
-def test_stale_build_lock_is_removed(fresh_build, monkeypatch, age_s, kept):
-    """torch waits forever on a lock file; one left by a killed build must not hang the next start."""
+@pytest.mark.parametrize("age_s", [3600, 0])
+def test_build_lock_left_by_a_killed_build_is_removed(fresh_build, monkeypatch, age_s):
+    """torch waits forever on its lock file. Builds hold pagedkv's flock, which dies with its holder, so
+    a torch lock found while holding the flock is stale at any age: it must not hang the next start."""
     from torch.utils import cpp_extension
 
     lock = kernel.build_directory() / "lock"
@@ -182,7 +183,7 @@ def test_stale_build_lock_is_removed(fresh_build, monkeypatch, age_s, kept):
 
     monkeypatch.setattr(cpp_extension, "load", fake_load)
     assert kernel.kernel_available() is False
-    assert seen == [kept]
+    assert seen == [False]
 
 
 def _broken_build():
