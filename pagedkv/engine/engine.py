@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import os
 import time
 from collections.abc import Sequence
@@ -20,13 +21,14 @@ from pagedkv.config import EngineConfig
 from pagedkv.engine import speculative
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.outputs import build_output, check_stop
-from pagedkv.engine.request import Request, RequestOutput
+from pagedkv.engine.prompts import encode_text, render_chat
+from pagedkv.engine.request import OutputKind, Request, RequestOutput
 from pagedkv.engine.runner import ModelRunner, kv_block_bytes
 from pagedkv.engine.scheduler import ScheduledRequest, Scheduler
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.model import panel
 from pagedkv.model.loader import load_model
-from pagedkv.sampler import Sampler, make_generator
+from pagedkv.sampler import Sampler, SamplerOutput, make_generator
 from pagedkv.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -65,6 +67,7 @@ class LLMEngine:
             "requests_finished": 0,
             "draft_tokens": 0,
             "draft_tokens_accepted": 0,
+            "requests_failed": 0,
         }
         self._ids = itertools.count()
         logger.info(
@@ -80,11 +83,10 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------------------
 
     def encode(self, prompt: str) -> list[int]:
-        return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        return encode_text(self.tokenizer, prompt)
 
     def apply_chat_template(self, messages: Sequence[dict], **kwargs) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, **kwargs)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return render_chat(self.tokenizer, messages, **kwargs)
 
     def add_request(
         self,
@@ -93,8 +95,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         prompt_token_ids: Sequence[int] | None = None,
         cache_salt: str | None = None,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> str:
-        """Validate and queue a request; raises ValueError (and changes nothing) on bad input."""
+        """Validate and queue a request, all or nothing: raises ValueError and changes nothing on bad input.
+
+        Everything that could fail for this request alone -- validation, the salt's encoding, hashing its
+        prompt blocks, the detokenizer's start -- happens before it is registered, so a request that cannot
+        run never becomes a half-added group that the engine would keep stepping.
+        """
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.groups:
@@ -103,35 +111,49 @@ class LLMEngine:
             if prompt is None:
                 raise ValueError("give a prompt or prompt_token_ids")
             prompt_token_ids = self.encode(prompt)
-        token_ids = [int(t) for t in prompt_token_ids]
-        self._validate(token_ids, params)
+        token_ids = _as_token_ids(prompt_token_ids)
+        self._validate(token_ids, params, cache_salt)
         group = []
         for index in range(params.n):
-            group.append(
-                Request(
-                    request_id=f"{request_id}#{index}" if params.n > 1 else request_id,
-                    group_id=request_id,
-                    index=index,
-                    token_ids=list(token_ids),
-                    num_prompt_tokens=len(token_ids),
-                    params=params,
-                    cache_salt=cache_salt,
-                    generator=make_generator(None if params.seed is None else (params.seed + index) % 2**64),
-                    detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params),
-                )
+            request = Request(
+                request_id=f"{request_id}#{index}" if params.n > 1 else request_id,
+                group_id=request_id,
+                index=index,
+                token_ids=list(token_ids),
+                num_prompt_tokens=len(token_ids),
+                params=params,
+                cache_salt=cache_salt,
+                generator=make_generator(None if params.seed is None else (params.seed + index) % 2**64),
+                detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params),
+                output_kind=output_kind,
             )
+            if group:  # the n samples share the prompt, so they share its block keys
+                request.block_keys = list(group[0].block_keys)
+            else:
+                self.scheduler.extend_keys(request, len(token_ids) // self.kv.block_size)
+            group.append(request)
         self.groups[request_id] = group
         self.prompts[request_id] = prompt
         for request in group:
             self.scheduler.add(request)
         return request_id
 
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, token_ids: list[int], params: SamplingParams, cache_salt: str | None) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if not token_ids:
             raise ValueError("the prompt is empty: give at least one token")
         vocab = self.hf_config.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab}) for this model")
+        if cache_salt is not None:
+            if not isinstance(cache_salt, str) or not cache_salt:
+                raise ValueError("cache_salt must be a non-empty string (or None)")
+            try:
+                cache_salt.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError("cache_salt must be valid Unicode text: it holds a lone surrogate") from exc
+        params.verify_for_model(vocab, self.eos_token_ids)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}: shorten the "
@@ -164,12 +186,24 @@ class LLMEngine:
     # -- one step -------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns an output for every request that made progress."""
+        """Run one engine step; returns an output for every request that made progress.
+
+        Failures stay with their request: if the batched sampler raises, each request is sampled again on
+        its own and only the ones that still fail are stopped; an exception while appending a token
+        (detokenizing, stop strings, hashing) stops that request alone. Only the model call itself can
+        fail a whole step, and then just the requests scheduled in it are stopped, their blocks freed.
+        """
         step = self.scheduler.schedule()
         if not step.scheduled:
             return []
-        logits, sampled = self.runner.execute(step)
         touched: dict[str, None] = {}
+        try:
+            logits, sampled = self.runner.execute(step)
+        except Exception:
+            logger.exception("the model step failed; stopping the %d requests scheduled in it", len(step.scheduled))
+            for s in step.scheduled:
+                self._fail(s.request, touched)
+            return self._collect_outputs(touched)
         for s in step.scheduled:
             if s.draft_token_ids:
                 continue  # how many of its tokens count is known once the drafts are checked
@@ -179,27 +213,72 @@ class LLMEngine:
             self.counters["prompt_tokens_computed"] += max(
                 0, min(request.num_prompt_tokens, request.num_computed_tokens) - start
             )
-            self._cache_full_blocks(request)
+            self._guarded(request, touched, self._cache_full_blocks, request)
         if sampled:
-            requests = [r for i, rows in sampled for r in [step.scheduled[i].request] * rows]  # one per row
-            out = self.sampler(
-                logits,
-                [r.params for r in requests],
-                [r.generator for r in requests],
-                [r.prompt_token_ids for r in requests],
-                [r.output_token_ids for r in requests],
-            )
+            rows = [(step.scheduled[i], n) for i, n in sampled]
+            out, failed = self._sample(logits, rows)
             now = time.perf_counter()
             row = 0
-            for i, rows in sampled:
-                s = step.scheduled[i]
-                if s.draft_token_ids:
-                    self._accept_drafts(s, row, out, now)
-                else:
-                    self._append_token(s.request, row, out, now)
+            for s, n in rows:
                 touched[s.request.group_id] = None
-                row += rows
+                if s.request.request_id in failed:
+                    self._fail(s.request, touched)
+                elif s.draft_token_ids:
+                    self._guarded(s.request, touched, self._accept_drafts, s, row, out, now)
+                elif not s.request.is_finished:
+                    self._guarded(s.request, touched, self._append_token, s.request, row, out, now)
+                row += n
         return self._collect_outputs(touched)
+
+    def _sample(self, logits: torch.Tensor, rows: list[tuple[ScheduledRequest, int]]) -> tuple[SamplerOutput, set[str]]:
+        """One batched sampler call; if it raises, each request alone, so only a request at fault fails.
+
+        Returns the per-row output and the ids of requests whose rows could not be sampled (their rows hold 0).
+        """
+        requests = [s.request for s, n in rows for _ in range(n)]
+        try:
+            return self._sample_rows(logits, requests), set()
+        except Exception:
+            logger.exception("the batched sampler failed; sampling each request alone")
+        out = SamplerOutput(token_ids=[], logprobs=[], top_logprobs=[])
+        failed: set[str] = set()
+        row = 0
+        for s, n in rows:
+            try:
+                part = self._sample_rows(logits[row : row + n], requests[row : row + n])
+            except Exception:
+                logger.exception("sampling failed for request %s", s.request.request_id)
+                failed.add(s.request.request_id)
+                part = SamplerOutput(token_ids=[0] * n)
+            out.token_ids += part.token_ids
+            out.logprobs += part.logprobs or [0.0] * n
+            out.top_logprobs += part.top_logprobs or [None] * n
+            row += n
+        return out, failed
+
+    def _sample_rows(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        return self.sampler(
+            logits,
+            [r.params for r in requests],
+            [r.generator for r in requests],
+            [r.prompt_token_ids for r in requests],
+            [r.output_token_ids for r in requests],
+        )
+
+    def _guarded(self, request: Request, touched: dict[str, None], work, *args) -> None:
+        """Run ``work(*args)`` for one request; if it raises, stop that request (and only it)."""
+        try:
+            work(*args)
+        except Exception:
+            logger.exception("request %s failed; stopping it", request.request_id)
+            self._fail(request, touched)
+
+    def _fail(self, request: Request, touched: dict[str, None]) -> None:
+        """Stop a request with finish_reason "error" and free its blocks; its group reports the error."""
+        touched[request.group_id] = None
+        if not request.is_finished:
+            self.scheduler.finish(request, "error")
+            self.counters["requests_failed"] += 1
 
     def _accept_drafts(self, s: ScheduledRequest, row: int, out, now: float) -> None:
         """Keep the drafts the model agreed with and its own token after them; the rest are forgotten.
@@ -247,9 +326,12 @@ class LLMEngine:
             group = self.groups.get(group_id)
             if group is None:
                 continue
+            finished = all(r.is_finished for r in group)
+            if not finished and group[0].output_kind is OutputKind.FINAL_ONLY:
+                continue
             output = build_output(group_id, self.prompts[group_id], group)
             outputs.append(output)
-            if output.finished:
+            if finished:
                 del self.groups[group_id]
                 del self.prompts[group_id]
         return outputs
@@ -266,3 +348,11 @@ class LLMEngine:
         stats["num_requests_waiting"] = len(self.scheduler.waiting)
         stats["num_preemptions"] = self.scheduler.num_preemptions
         return stats
+
+
+def _as_token_ids(values: Sequence[int]) -> list[int]:
+    """Prompt token ids as a list of Python ints; anything that is not an integer is refused, not rounded."""
+    try:
+        return [operator.index(t) for t in values]
+    except TypeError as exc:
+        raise ValueError(f"prompt token ids must be integers: {exc}") from exc

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagedkv.engine.request import CompletionOutput, Request, RequestOutput
+from pagedkv.engine.request import INTERNAL_ERROR, CompletionOutput, OutputKind, Request, RequestOutput
 
 
 def check_stop(
@@ -21,7 +21,7 @@ def check_stop(
     if min_tokens_reached and token in eos_token_ids and not params.ignore_eos:
         request.detokenizer.finish()
         return "stop", None
-    if min_tokens_reached and params.stop_token_ids and token in params.stop_token_ids:
+    if min_tokens_reached and token in params.stop_token_id_set:
         request.detokenizer.finish()
         return "stop", token
     request.detokenizer.add_token(token)
@@ -37,22 +37,30 @@ def check_stop(
 
 
 def completion_output(request: Request) -> CompletionOutput:
-    """Snapshot one sample, with what is new since the previous snapshot as the delta."""
+    """Snapshot one sample, with what is new since the previous snapshot as the delta.
+
+    With OutputKind.DELTA the snapshot holds only the new part (text == delta_text), so a stream's outputs
+    add up to O(output) bytes instead of O(output^2).
+    """
     text = request.detokenizer.output_text
-    tokens = request.output_token_ids
-    delta_text, delta_tokens = text[request.emitted_text :], tokens[request.emitted_tokens :]
-    request.emitted_text, request.emitted_tokens = len(text), len(tokens)
-    wants_logprobs = request.params.logprobs is not None
+    start_text, start_tokens = request.emitted_text, request.emitted_tokens
+    delta_text, delta_tokens = text[start_text:], request.token_ids[request.num_prompt_tokens + start_tokens :]
+    request.emitted_text, request.emitted_tokens = len(text), request.num_output_tokens
+    delta = request.output_kind is OutputKind.DELTA
+    logprobs = top_logprobs = None
+    if request.params.logprobs is not None:
+        first = start_tokens if delta else 0
+        logprobs, top_logprobs = request.logprobs[first:], request.top_logprobs[first:]
     return CompletionOutput(
         index=request.index,
-        text=text,
-        token_ids=tokens,
+        text=delta_text if delta else text,
+        token_ids=delta_tokens if delta else request.output_token_ids,
         delta_text=delta_text,
         delta_token_ids=delta_tokens,
         finish_reason=request.finish_reason,
         stop_reason=request.stop_reason,
-        logprobs=list(request.logprobs) if wants_logprobs else None,
-        top_logprobs=list(request.top_logprobs) if wants_logprobs else None,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
     )
 
 
@@ -71,4 +79,5 @@ def build_output(group_id: str, prompt: str | None, group: Sequence[Request]) ->
             "ttft": ttft,
             "last_token_time": first.last_token_time or 0.0,
         },
+        error=INTERNAL_ERROR if any(r.finish_reason == "error" for r in group) else None,
     )

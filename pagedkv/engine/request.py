@@ -18,6 +18,24 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class OutputKind(enum.Enum):
+    """What each RequestOutput of a request carries (vLLM's RequestOutputKind).
+
+    CUMULATIVE: everything so far, every step (simple, but copying the whole output each step is O(L^2)).
+    DELTA: only what is new since the previous output (a stream forwards it as is).
+    FINAL_ONLY: one output, when the request finishes (offline batch generation needs nothing else).
+    """
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
+
+
+# The message a caller sees when its request failed inside the engine: the details go to the log only,
+# since an exception's text may carry another request's data or the server's internals.
+INTERNAL_ERROR = "the engine failed while processing this request; it was stopped and its resources freed"
+
+
 @dataclass(slots=True)
 class Request:
     """One sequence. A request with ``n > 1`` becomes n of these that share a ``group_id``.
@@ -39,7 +57,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     block_keys: list[BlockKey] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    output_kind: OutputKind = OutputKind.CUMULATIVE
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -77,7 +96,8 @@ class Request:
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """One of a request's n samples: cumulative text/tokens plus what is new since the last report."""
+    """One of a request's n samples: text/tokens (cumulative, or only the new part with OutputKind.DELTA)
+    plus what is new since the last report. finish_reason "error": the engine failed this sample alone."""
 
     index: int
     text: str
@@ -96,7 +116,10 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """The state of one request (all its samples). ``text`` / ``token_ids`` read the first sample."""
+    """The state of one request (all its samples). ``text`` / ``token_ids`` read the first sample.
+
+    ``error``: set when a sample finished with "error"; a message safe to show the client.
+    """
 
     request_id: str
     prompt: str | None
@@ -105,6 +128,7 @@ class RequestOutput:
     num_cached_tokens: int
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
 
     @property
     def text(self) -> str:

@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
-from pagedkv.engine.request import RequestOutput
+from pagedkv.engine.request import OutputKind, RequestOutput
 from pagedkv.sampling import SamplingParams
 
 Messages = Sequence[dict[str, str]]
@@ -33,7 +33,11 @@ class LLM:
         use_tqdm: bool = True,
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids) together; outputs come back in input order."""
+        """Generate for every prompt (text or token ids) together; outputs come back in input order.
+
+        A request the engine had to stop comes back with finish_reason "error" (and ``error`` set) while
+        the others complete; bad input raises ValueError before anything runs.
+        """
         if prompts is not None and prompt_token_ids is not None:
             raise ValueError("give prompts or prompt_token_ids, not both")
         if isinstance(prompts, str):
@@ -68,26 +72,35 @@ class LLM:
         use_tqdm: bool,
         cache_salt: str | None,
     ) -> list[RequestOutput]:
+        """Add every prompt, step until all finish; on any exception (Ctrl-C included) abort what was added,
+        so the engine is clean for the next call. Only final outputs are built (no per-step copies)."""
         params = _per_prompt(sampling_params, len(token_lists))
         ids: list[str] = []
+        bar = tqdm(total=len(token_lists), desc="generate", disable=not use_tqdm or len(token_lists) < 2, leave=False)
         try:
             for text, tokens, p in zip(texts, token_lists, params):
                 ids.append(
-                    self.engine.add_request(prompt=text, prompt_token_ids=tokens, params=p, cache_salt=cache_salt)
+                    self.engine.add_request(
+                        prompt=text,
+                        prompt_token_ids=tokens,
+                        params=p,
+                        cache_salt=cache_salt,
+                        output_kind=OutputKind.FINAL_ONLY,
+                    )
                 )
-        except Exception:
+            finished: dict[str, RequestOutput] = {}
+            wanted = set(ids)
+            while len(finished) < len(ids):
+                for output in self.engine.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
             for request_id in ids:
                 self.engine.abort(request_id)
             raise
-        finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm or len(ids) < 2, leave=False)
-        wanted = set(ids)
-        while len(finished) < len(ids):
-            for output in self.engine.step():
-                if output.finished and output.request_id in wanted:
-                    finished[output.request_id] = output
-                    bar.update(1)
-        bar.close()
+        finally:
+            bar.close()
         return [finished[i] for i in ids]
 
     def stats(self) -> dict[str, float]:
