@@ -11,20 +11,20 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
+from pagedkv.entrypoints.limits import ServerLimits
 from pagedkv.entrypoints.openai_server import build_app
 from pagedkv.sampling import SamplingParams
+from tests.live_server import live_server, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -69,20 +69,10 @@ def reference(engine: LLMEngine) -> dict:
 
 @pytest.fixture(scope="module")
 def server(engine: LLMEngine, reference: dict):
-    app = build_app(engine, MODEL, api_key=KEY, max_queued_requests=MAX_QUEUED, max_body_bytes=MAX_BODY)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield app, f"http://127.0.0.1:{sock.getsockname()[1]}"
-    uv.should_exit = True
-    thread.join(30)
-    sock.close()
+    limits = ServerLimits(max_queued_seqs=MAX_QUEUED)
+    app = build_app(engine, MODEL, api_key=KEY, max_body_bytes=MAX_BODY, limits=limits)
+    with live_server(app) as base_url:
+        yield app, base_url
     assert not app.state.async_engine.is_running
 
 
@@ -91,19 +81,8 @@ def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server[1] + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
-def wait_idle(app, timeout_s: float = 30.0) -> dict:
-    """Wait until the engine holds no request and no block (aborts travel through the engine thread)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = app.state.async_engine.stats()
-        busy = stats["kv_blocks_used"] or stats["num_requests_running"] or stats["num_requests_waiting"]
-        if not busy and app.state.async_engine.num_in_flight == 0 or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.05)
-
-
 def metric_samples(base_url: str) -> dict[tuple[str, tuple], float]:
-    families = text_string_to_metric_families(httpx.get(base_url + "/metrics").text)
+    families = text_string_to_metric_families(httpx.get(base_url + "/metrics", headers=AUTH).text)
     return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
 
 
@@ -111,9 +90,11 @@ def aborts(base_url: str) -> float:
     return metric_samples(base_url).get(("pagedkv:requests_total", (("finish_reason", "abort"),)), 0.0)
 
 
-def test_health_and_models(server, client):
+def test_health_and_models(server, client, engine):
     assert httpx.get(server[1] + "/health").status_code == 200
+    models = httpx.get(server[1] + "/v1/models", headers=AUTH)
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert str(engine.model_path) not in models.text and "/" not in models.json()["data"][0]["root"]
 
 
 def test_chat_matches_offline_greedy(client, reference):
@@ -253,7 +234,9 @@ def test_auth_body_size_and_bad_json_errors(server, client):
         assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server[1] + "/v1", api_key="wrong", max_retries=0).models.list()
-    assert httpx.get(server[1] + "/metrics").status_code == 200  # health and metrics need no key
+    assert httpx.get(server[1] + "/health").status_code == 200  # health needs no key: probes have none
+    assert httpx.get(server[1] + "/metrics").status_code == 401  # everything else does
+    assert httpx.get(server[1] + "/metrics", headers=AUTH).status_code == 200
     big = httpx.post(url, json={"model": MODEL, "prompt": "x" * (MAX_BODY + 1)}, headers=AUTH)
     assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
     chunked = httpx.post(url, content=iter([b'{"prompt": "', b"x" * MAX_BODY, b'"}']), headers=AUTH)

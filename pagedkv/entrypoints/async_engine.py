@@ -1,9 +1,14 @@
 """AsyncEngine: the event-loop side of the server's engine -- admission, per-request streams, metrics.
 
-Handlers ``await add(...)`` to queue an API request's prompts and get a RequestStream back; the
-EngineThread runs the engine and hands each step's outputs to ``_deliver``, which routes them to the
-streams' asyncio queues. Requests of all clients share the engine, so they are batched together for free.
-The routing table, the streams and the metrics are touched only on the loop, so none of it needs a lock.
+Handlers ``await add(...)`` to queue an API request's prompts and get a RequestStream back: the prompts
+are tokenized on the TokenizerWorker, then handed to the EngineThread, which runs the engine and passes
+each step's outputs to ``_deliver`` here, which routes them to their streams. Requests of all clients share
+the engine, so they are batched together for free. The routing table, the streams and the metrics are
+touched only on the loop, so none of it needs a lock.
+
+Streams carry deltas, and a stream holds at most one pending output per prompt: a new delta is merged into
+the one its reader has not taken yet. So a client that reads slowly costs memory in proportion to the text
+it has not read, never a queue of copies that grows with every step.
 """
 
 from __future__ import annotations
@@ -11,18 +16,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
-from pagedkv.engine.request import RequestOutput
-from pagedkv.entrypoints.engine_thread import (
-    AbortCommand,
-    AddCommand,
-    EnginePrompt,
-    EngineStopped,
-    EngineThread,
-)
+from pagedkv.engine.request import CompletionOutput, OutputKind, RequestOutput
+from pagedkv.entrypoints.engine_thread import AbortCommand, AddCommand, EngineStopped, EngineThread, RequestFailed
 from pagedkv.entrypoints.server_metrics import ServerMetrics
+from pagedkv.entrypoints.tokenizer_worker import EnginePrompt, TokenizerWorker
 from pagedkv.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -30,62 +30,119 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "EngineOverloaded", "EnginePrompt", "EngineStopped", "RequestStream"]
+__all__ = ["AsyncEngine", "EngineOverloaded", "EnginePrompt", "EngineStopped", "RequestFailed", "RequestStream"]
 
 
 class EngineOverloaded(Exception):
-    """More requests queued or running than ``max_queued_requests`` allows."""
+    """More sequences queued or running than ``max_queued_seqs`` allows."""
 
 
 class RequestStream:
     """The outputs of one API request (one engine request per prompt), as ``(prompt_index, output)``.
 
-    Iteration ends when every prompt has finished or the stream was aborted, and raises EngineStopped
-    if the server shut down or the engine failed first.
+    Iteration ends when every prompt has finished or the stream was aborted, and raises EngineStopped or
+    RequestFailed if the server shut down or the engine failed the request first. ``stream=True`` streams
+    get deltas; others get each prompt's final output only.
     """
 
-    def __init__(self, owner: AsyncEngine, request_id: str, num_prompts: int, n: int) -> None:
+    def __init__(self, owner: AsyncEngine, request_id: str, prompt_lens: list[int], n: int, stream: bool) -> None:
         self.request_id = request_id
-        self.engine_ids = [f"{request_id}-{i}" for i in range(num_prompts)]
+        self.engine_ids = [f"{request_id}-{i}" for i in range(len(prompt_lens))]
         self.n = n
-        self.queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
-        self.unfinished = set(range(num_prompts))
+        self.output_kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
+        self.prompt_tokens = sum(prompt_lens)
+        self.completion_tokens = 0
+        self.cached_tokens: dict[int, int] = {}
+        self.unfinished = set(range(len(prompt_lens)))
         self.aborted = False
         self.start_time = time.perf_counter()
-        self.last_token_time: list[float | None] = [None] * num_prompts
+        self.last_token_time: list[float | None] = [None] * len(prompt_lens)
+        self._pending: dict[int, RequestOutput] = {}
+        self._ready = asyncio.Event()
+        self._closed = False
+        self._error: BaseException | None = None
         self._owner = owner
 
     @property
     def finished(self) -> bool:
         return not self.unfinished
 
+    @property
+    def num_sequences(self) -> int:
+        return len(self.unfinished) * self.n
+
     def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        while (item := await self.queue.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+        while True:
+            if self._pending:
+                index = next(iter(self._pending))
+                yield index, self._pending.pop(index)
+            elif self._closed:
+                if self._error is not None:
+                    raise self._error
+                return
+            else:
+                self._ready.clear()
+                await self._ready.wait()
+
+    def push(self, index: int, output: RequestOutput) -> None:
+        """Hand an output to the reader, merged into the one it has not taken yet (if any)."""
+        self.completion_tokens += sum(len(sample.delta_token_ids) for sample in output.outputs)
+        self.cached_tokens[index] = output.num_cached_tokens
+        pending = self._pending.get(index)
+        if pending is None:
+            self._pending[index] = output
+        else:
+            _merge_delta(pending, output)
+        self._ready.set()
+
+    def close(self, error: BaseException | None = None) -> None:
+        if not self._closed:
+            self._closed, self._error = True, error
+            self._ready.set()
 
     def abort(self) -> None:
         """Stop generating and free the KV blocks; a no-op once every prompt has finished."""
         self._owner._abort(self)
 
 
+def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
+    """Append the delta ``new`` to the unread delta ``into`` (in place: ``into`` belongs to the stream)."""
+    for a, b in zip(into.outputs, new.outputs, strict=True):
+        _merge_sample(a, b)
+    into.finished, into.num_cached_tokens, into.error = new.finished, new.num_cached_tokens, new.error
+    into.metrics = new.metrics
+
+
+def _merge_sample(a: CompletionOutput, b: CompletionOutput) -> None:
+    a.text = a.delta_text = a.delta_text + b.delta_text
+    a.token_ids = a.delta_token_ids = a.delta_token_ids + b.delta_token_ids
+    if b.logprobs is not None:
+        a.logprobs = (a.logprobs or []) + b.logprobs
+        a.top_logprobs = (a.top_logprobs or []) + (b.top_logprobs or [])
+    a.finish_reason, a.stop_reason = b.finish_reason, b.stop_reason
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None) -> None:
+    def __init__(self, engine: LLMEngine, max_queued_seqs: int | None = None) -> None:
         self.engine = engine
-        self.max_queued_requests = max_queued_requests
+        self.max_queued_seqs = max_queued_seqs
         self.metrics = ServerMetrics(self.stats)
+        self.tokenizer = TokenizerWorker(engine.tokenizer)
+        self.failed = False  # the engine thread died: the server must exit (non-zero) to be restarted
+        self.on_death: Callable[[], None] | None = None
         self._thread: EngineThread | None = None
         self._accepting = False
         self._routes: dict[str, tuple[RequestStream, int]] = {}
+        self._num_sequences = 0
         self._idle_stats = engine.stats()
 
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will consume the outputs."""
-        self._thread = EngineThread(self.engine, asyncio.get_running_loop(), self._deliver, self._fail)
+        loop = asyncio.get_running_loop()
+        self._thread = EngineThread(self.engine, loop, self._deliver, self._fail, self._died)
         self._thread.start()
         self._accepting = True
 
@@ -102,6 +159,7 @@ class AsyncEngine:
             logger.warning("the engine thread did not stop within %.0f s", timeout_s)
         self._idle_stats = self._thread.stats
         self._thread = None
+        self.tokenizer.close()
         self._fail(list(self._routes), EngineStopped("the server is shutting down"))
 
     @property
@@ -113,6 +171,11 @@ class AsyncEngine:
         """Engine requests (one per prompt) queued or running."""
         return len(self._routes)
 
+    @property
+    def num_sequences(self) -> int:
+        """Sequences (each prompt's n samples) queued or running: what admission counts."""
+        return self._num_sequences
+
     def stats(self) -> dict[str, float]:
         """The engine's counters as of its latest step."""
         return dict(self._thread.stats if self._thread is not None else self._idle_stats)
@@ -123,46 +186,59 @@ class AsyncEngine:
         prompts: list[EnginePrompt],
         params: SamplingParams,
         cache_salt: str | None = None,
+        stream: bool = False,
     ) -> RequestStream:
-        """Queue all prompts of one API request, once the engine thread accepted them.
+        """Tokenize all prompts of one API request and queue them, once the engine thread accepted them.
 
-        Raises ValueError (bad input; nothing was queued), EngineOverloaded, or EngineStopped.
+        Raises ValueError (bad input; nothing was queued), EngineOverloaded, EngineStopped or RequestFailed.
         """
-        if not self.is_running:
-            raise EngineStopped("the server is shutting down")
-        limit = self.max_queued_requests
-        if limit is not None and self.num_in_flight + len(prompts) > limit:
-            raise EngineOverloaded(
-                f"{self.num_in_flight} requests are queued or running and the limit is {limit}: retry later"
-            )
-        stream = RequestStream(self, request_id, len(prompts), params.n)
-        for index, engine_id in enumerate(stream.engine_ids):
-            self._routes[engine_id] = (stream, index)
+        self._admit(len(prompts) * params.n)
+        token_lists = await self.tokenizer.tokenize(prompts)
+        self._admit(len(prompts) * params.n)  # tokenizing took time: look again before queueing
+        request = RequestStream(self, request_id, [len(t) for t in token_lists], params.n, stream)
+        for index, engine_id in enumerate(request.engine_ids):
+            self._routes[engine_id] = (request, index)
+        self._num_sequences += request.num_sequences
         future = asyncio.get_running_loop().create_future()
-        self._thread.submit(AddCommand(stream.engine_ids, prompts, params, cache_salt, future))
+        command = AddCommand(request.engine_ids, token_lists, params, cache_salt, request.output_kind, future)
+        self._thread.submit(command)
         try:
-            prompt_lens: list[int] = await future
+            await future
         except asyncio.CancelledError:
-            self._abort(stream)  # the add may have happened already; the abort follows it in order
+            self._abort(request)  # the add may have happened already; the abort follows it in order
             raise
         except BaseException:
-            for engine_id in stream.engine_ids:
-                del self._routes[engine_id]
-            stream.unfinished.clear()
+            self._forget(request, list(request.unfinished))
             raise
-        self.metrics.prompt_tokens.inc(sum(prompt_lens))
-        return stream
+        self.metrics.prompt_tokens.inc(request.prompt_tokens)
+        return request
+
+    def _admit(self, sequences: int) -> None:
+        if not self.is_running:
+            raise EngineStopped("the server is shutting down" if not self.failed else "the engine is not running")
+        limit = self.max_queued_seqs
+        if limit is not None and self._num_sequences + sequences > limit:
+            raise EngineOverloaded(
+                f"{self._num_sequences} sequences are queued or running, this request adds {sequences} "
+                f"(n x prompts) and the limit is {limit} (--max-queued-seqs): retry later"
+            )
+
+    def _forget(self, stream: RequestStream, indices: list[int]) -> None:
+        """Drop these prompts of ``stream`` from the routing table and the sequence count."""
+        for index in indices:
+            if index in stream.unfinished:
+                del self._routes[stream.engine_ids[index]]
+                stream.unfinished.discard(index)
+                self._num_sequences -= stream.n
 
     def _abort(self, stream: RequestStream) -> None:
         if stream.finished:
             return
         engine_ids = [stream.engine_ids[i] for i in sorted(stream.unfinished)]
-        for engine_id in engine_ids:
-            del self._routes[engine_id]
         self.metrics.requests.labels(finish_reason="abort").inc(len(engine_ids) * stream.n)
-        stream.unfinished.clear()
+        self._forget(stream, list(stream.unfinished))
         stream.aborted = True
-        stream.queue.put_nowait(None)
+        stream.close()
         if self._thread is not None:
             self._thread.submit(AbortCommand(engine_ids))
 
@@ -175,12 +251,19 @@ class AsyncEngine:
                 continue  # aborted while this step ran
             stream, index = route
             self._observe(stream, index, output, now)
-            stream.queue.put_nowait((index, output))
+            if output.error is not None:  # the engine stopped it: the API request fails as a whole
+                self._forget(stream, [index])
+                rest = [stream.engine_ids[i] for i in sorted(stream.unfinished)]
+                self._forget(stream, list(stream.unfinished))
+                if rest and self._thread is not None:
+                    self._thread.submit(AbortCommand(rest))
+                stream.close(RequestFailed(output.error))
+                continue
+            stream.push(index, output)
             if output.finished:
-                del self._routes[output.request_id]
-                stream.unfinished.discard(index)
+                self._forget(stream, [index])
                 if stream.finished:
-                    stream.queue.put_nowait(None)
+                    stream.close()
 
     def _observe(self, stream: RequestStream, index: int, output: RequestOutput, now: float) -> None:
         """Latencies as the client sees them: from arrival at the server, not at the engine."""
@@ -198,11 +281,19 @@ class AsyncEngine:
     def _fail(self, engine_ids: list[str], error: BaseException) -> None:
         """End the streams of these engine requests with ``error``."""
         for engine_id in engine_ids:
-            route = self._routes.pop(engine_id, None)
+            route = self._routes.get(engine_id)
             if route is None:
                 continue
             stream, index = route
             self.metrics.requests.labels(finish_reason="abort").inc(stream.n)
-            stream.unfinished.discard(index)
+            self._forget(stream, [index])
             if stream.finished:
-                stream.queue.put_nowait(error)
+                stream.close(error)
+
+    def _died(self, error: BaseException) -> None:
+        """The engine thread is gone: fail every stream, and tell the server to exit so it is restarted."""
+        self.failed = True
+        self._accepting = False
+        self._fail(list(self._routes), error)
+        if self.on_death is not None:
+            self.on_death()

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from pagedkv.config import ATTENTION_BACKENDS, DTYPES, LINEAR_BACKENDS, EngineConfig
+from pagedkv.entrypoints.limits import ServerLimits
 
 BENCHMARKS = ("gather", "attention", "panel_linear", "throughput")
 
@@ -152,9 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health (default: $PAGEDKV_API_KEY)",
+    )
     serve.add_argument("--served-model-name", default=None, help="model name clients use (default: file name)")
-    serve.add_argument("--max-queued-requests", type=int, default=256, help="past this, 503")
+    ServerLimits.add_arguments(serve)
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -1,10 +1,15 @@
-"""EngineThread: the one thread that may touch the LLMEngine.
+"""EngineThread: the one thread that may touch the LLMEngine, and it does nothing but step it.
 
-LLMEngine is not thread-safe, so everything that reads or changes it -- ``add_request``, ``step``,
-``abort``, and the tokenizer's encode / chat template -- runs here. Other threads hand it commands through
-a deque; between steps the thread drains them, then runs one step and passes the whole step's outputs to
-the event loop in a single ``call_soon_threadsafe``. With nothing to do it sleeps on an Event instead of
-spinning. After every step it publishes a ``stats()`` snapshot, so ``/metrics`` never calls the engine.
+LLMEngine is not thread-safe, so everything that reads or changes it -- ``add_request``, ``step``, ``abort``
+-- runs here. Prompts arrive already tokenized (the TokenizerWorker does that), so a huge prompt never stalls
+the step loop. Other threads hand commands over through a deque; between steps the thread drains them,
+then runs one step and passes the whole step's outputs to the event loop in one ``call_soon_threadsafe``.
+With nothing to do it sleeps on an Event instead of spinning. After every step it publishes a ``stats()``
+snapshot, so ``/metrics`` never calls the engine.
+
+Supervision: if the thread dies of anything (a ``BaseException`` included), it reports the death once, and
+every command still queued or submitted later has its future settled with EngineStopped -- nobody waits
+forever on a thread that is gone.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagedkv.engine.request import RequestOutput
+from pagedkv.engine.request import INTERNAL_ERROR, OutputKind, RequestOutput
 from pagedkv.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -27,26 +32,22 @@ logger = logging.getLogger(__name__)
 
 
 class EngineStopped(Exception):
-    """The engine is shutting down or failed: the request cannot finish."""
+    """The engine is shutting down or its thread died: the request cannot finish (a 503)."""
 
 
-@dataclass(slots=True)
-class EnginePrompt:
-    """One prompt as text, token ids, or chat messages (tokenized on the engine thread)."""
-
-    prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
-    messages: list[dict[str, str]] | None = None
+class RequestFailed(Exception):
+    """The engine stopped this request on an internal error (a 500); the message is safe to show."""
 
 
 @dataclass(slots=True)
 class AddCommand:
-    """Add prompts as engine requests, all or none; ``future`` gets their prompt lengths or the error."""
+    """Add tokenized prompts as engine requests, all or none; ``future`` gets None or the error."""
 
     engine_ids: list[str]
-    prompts: list[EnginePrompt]
+    token_lists: list[list[int]]
     params: SamplingParams
     cache_salt: str | None
+    output_kind: OutputKind
     future: asyncio.Future
 
 
@@ -56,7 +57,8 @@ class AbortCommand:
 
 
 class EngineThread:
-    """Runs the engine; ``on_outputs(outputs)`` and ``on_failure(engine_ids, error)`` run on ``loop``."""
+    """Runs the engine. On ``loop``: ``on_outputs(outputs)`` after each step, ``on_failure(engine_ids, error)``
+    when requests were stopped without an output, ``on_death(error)`` once if the thread dies."""
 
     def __init__(
         self,
@@ -64,15 +66,19 @@ class EngineThread:
         loop: asyncio.AbstractEventLoop,
         on_outputs: Callable[[list[RequestOutput]], None],
         on_failure: Callable[[list[str], BaseException], None],
+        on_death: Callable[[BaseException], None],
     ) -> None:
         self.engine = engine
         self.stats: dict[str, float] = engine.stats()
         self._loop = loop
         self._on_outputs = on_outputs
         self._on_failure = on_failure
+        self._on_death = on_death
         self._commands: deque[AddCommand | AbortCommand] = deque()
+        self._lock = threading.Lock()  # orders submit() against the thread's death
         self._wake = threading.Event()
         self._stopping = False
+        self._dead = False
         self._live: set[str] = set()  # engine requests added and not yet finished; engine thread only
         self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
 
@@ -81,11 +87,16 @@ class EngineThread:
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        return self._thread.is_alive() and not self._stopping and not self._dead
 
     def submit(self, command: AddCommand | AbortCommand) -> None:
-        self._commands.append(command)
-        self._wake.set()
+        with self._lock:
+            if not self._dead:
+                self._commands.append(command)
+                self._wake.set()
+                return
+        if isinstance(command, AddCommand):
+            self._post(_settle, command.future, EngineStopped("the engine is not running"))
 
     def stop(self, timeout_s: float) -> bool:
         """Abort every live request and end the thread (blocking); False if it did not end in time."""
@@ -101,6 +112,20 @@ class EngineThread:
             logger.debug("event loop closed; dropped %s", callback)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:
+            logger.critical("the engine thread died; the server can no longer generate", exc_info=True)
+            with self._lock:
+                self._dead = True
+                orphans = list(self._commands)
+                self._commands.clear()
+            for command in orphans:
+                if isinstance(command, AddCommand):
+                    self._post(_settle, command.future, EngineStopped("the engine is not running"))
+            self._post(self._on_death, EngineStopped(f"the engine thread died ({type(exc).__name__})"))
+
+    def _serve(self) -> None:
         while True:
             while self._commands:
                 self._apply(self._commands.popleft())
@@ -114,11 +139,13 @@ class EngineThread:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as exc:
+            except Exception:
+                # The engine stops a failing request (or a failing model step's requests) itself; an
+                # exception that still escapes means its state cannot be trusted: stop everything live.
                 logger.exception("engine step failed; aborting %d requests", len(self._live))
                 failed = list(self._live)
                 self._abort_all()
-                self._post(self._on_failure, failed, EngineStopped(f"the engine failed: {exc}"))
+                self._post(self._on_failure, failed, RequestFailed(INTERNAL_ERROR))
                 continue
             for output in outputs:
                 if output.finished:
@@ -141,44 +168,32 @@ class EngineThread:
                     self.engine.abort(engine_id)
             return
         added: list[str] = []
-        prompt_lens: list[int] = []
         try:
-            for engine_id, prompt in zip(command.engine_ids, command.prompts, strict=True):
-                token_ids = self._tokenize(prompt)
+            for engine_id, token_ids in zip(command.engine_ids, command.token_lists, strict=True):
                 self.engine.add_request(
                     engine_id,
-                    prompt=prompt.prompt,
                     params=command.params,
                     prompt_token_ids=token_ids,
                     cache_salt=command.cache_salt,
+                    output_kind=command.output_kind,
                 )
                 added.append(engine_id)
-                prompt_lens.append(len(token_ids))
         except Exception as exc:
             for engine_id in added:
                 self.engine.abort(engine_id)
-            self._post(_settle, command.future, None, exc)
+            if not isinstance(exc, ValueError):  # bad input is the client's to see; anything else is ours
+                logger.exception("adding request %s failed", command.engine_ids[0])
+                exc = RequestFailed(INTERNAL_ERROR)
+            self._post(_settle, command.future, exc)
             return
         self._live.update(added)
-        self._post(_settle, command.future, prompt_lens, None)
-
-    def _tokenize(self, prompt: EnginePrompt) -> list[int]:
-        if prompt.prompt_token_ids is not None:
-            return list(prompt.prompt_token_ids)
-        if prompt.messages is not None:
-            try:
-                return self.engine.apply_chat_template(prompt.messages)
-            except Exception as exc:
-                raise ValueError(f"messages could not be rendered with the model's chat template: {exc}") from exc
-        if prompt.prompt is None:
-            raise ValueError("give a prompt, prompt token ids, or messages")
-        return self.engine.encode(prompt.prompt)
+        self._post(_settle, command.future, None)
 
 
-def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
     if future.done():  # the waiting handler was cancelled; it sent an abort for these requests
         return
     if error is None:
-        future.set_result(result)
+        future.set_result(None)
     else:
         future.set_exception(error)

@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import argparse
 import hmac
+import ipaddress
+import json
 import logging
+import os
 import signal
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -28,6 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedkv.entrypoints.async_engine import AsyncEngine
+from pagedkv.entrypoints.limits import ServerLimits
 from pagedkv.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from pagedkv.entrypoints.responses import ModelCard, ModelList
 from pagedkv.entrypoints.server_metrics import ServerMetrics
@@ -40,26 +45,52 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 GRACEFUL_SHUTDOWN_S = 5.0
 
 
 def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
+
+
+def is_loopback(host: str) -> bool:
+    """A name or address that only reaches this machine: localhost, 127.0.0.0/8, ::1."""
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_name(host_header: str) -> str:
+    """The host part of a Host header: ``name``, ``name:port``, ``[v6]`` or ``[v6]:port``."""
+    if host_header.startswith("["):
+        return host_header[: host_header.find("]") + 1]
+    return host_header.rsplit(":", 1)[0] if host_header.count(":") == 1 else host_header
 
 
 class RequestGate:
-    """Checks that need no parsing, before routing: the API key on /v1 routes and the body size.
+    """Checks that need no parsing, before routing: the Host header, the API key and the body size.
+
+    ``loopback_only``: the server listens on a loopback address, so a legitimate request names a loopback
+    host; any other Host is a web page that rebound its own domain to 127.0.0.1 (DNS rebinding) to reach
+    this server from a browser, and is refused. With an API key, every route but ``/health`` needs it.
 
     A pure ASGI middleware rather than ``@app.middleware("http")``: the latter wraps responses in a way
     that hides client disconnects from streaming responses, and those must abort their requests.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics) -> None:
+    def __init__(
+        self, app: ASGIApp, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics, loopback_only: bool
+    ) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
+        self.loopback_only = loopback_only
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -67,7 +98,12 @@ class RequestGate:
             return
         headers = Headers(scope=scope)
         error = None
-        if self.expected and scope["path"].startswith("/v1"):
+        host = headers.get("host")
+        if self.loopback_only and host is not None and not is_loopback(_host_name(host)):
+            error = APIError(
+                421, f"this server answers only to loopback host names, not {host[:100]!r}", code="misdirected_request"
+            )
+        if error is None and self.expected and scope["path"] != "/health":
             given = headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, self.expected):
                 error = APIError(
@@ -101,8 +137,9 @@ class RequestGate:
         return limited
 
 
-def _validation_error(exc: RequestValidationError) -> APIError:
-    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+def _validation_error(exc: RequestValidationError | ValidationError) -> APIError:
+    errors = exc.errors(include_url=False, include_input=False) if isinstance(exc, ValidationError) else exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     loc = [part for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
@@ -128,26 +165,45 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error", exc_info=exc)
-        return respond(APIError(500, f"internal server error: {type(exc).__name__}", type="server_error"))
+        return respond(APIError(500, "internal server error", type="server_error"))
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(ValidationError, on_validation_error)
     app.add_exception_handler(HTTPException, on_http_error)
     app.add_exception_handler(Exception, on_unexpected)
+
+
+async def parse_body(request: Request, model: type[BodyT], limits: ServerLimits, max_model_len: int) -> BodyT:
+    """The JSON body, bounded (shape, then the limited fields) before pydantic builds anything from it."""
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise APIError(400, f"the body is not valid JSON: {str(exc)[:200]}") from exc
+    limits.check_shape(body)
+    limits.check(body, max_model_len)
+    return model.model_validate(body)
 
 
 def build_app(
     engine: LLMEngine,
     served_model_name: str | None = None,
     api_key: str | None = None,
-    max_queued_requests: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    limits: ServerLimits | None = None,
+    loopback_only: bool = True,
 ) -> FastAPI:
-    """The OpenAI-compatible app over ``engine``; the engine thread runs while the app's lifespan does."""
+    """The OpenAI-compatible app over ``engine``; the engine thread runs while the app's lifespan does.
+
+    ``loopback_only``: refuse requests whose Host is not a loopback name (for a server bound to loopback).
+    """
+    limits = limits or ServerLimits()
     model_name = served_model_name or Path(str(engine.model_path)).name
-    async_engine = AsyncEngine(engine, max_queued_requests)
+    async_engine = AsyncEngine(engine, limits.max_queued_seqs)
     metrics = async_engine.metrics
-    ctx = ServingContext(async_engine, model_name)
+    ctx = ServingContext(async_engine, model_name, limits)
+    max_model_len = engine.max_model_len
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -159,7 +215,9 @@ def build_app(
 
     app = FastAPI(title="pagedkv", lifespan=lifespan)
     app.state.async_engine = async_engine
-    app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
+    app.add_middleware(
+        RequestGate, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics, loopback_only=loopback_only
+    )
     _add_error_handlers(app, metrics)
 
     @app.get("/health")
@@ -173,15 +231,17 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        card = ModelCard(id=model_name, root=str(engine.model_path), max_model_len=engine.max_model_len)
+        card = ModelCard(id=model_name, root=model_name, max_model_len=max_model_len)
         return ModelList(data=[card])
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(request: Request) -> Response:
+        body = await parse_body(request, CompletionRequest, limits, max_model_len)
         return await create_completion(ctx, body, request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(request: Request) -> Response:
+        body = await parse_body(request, ChatCompletionRequest, limits, max_model_len)
         return await create_chat_completion(ctx, body, request)
 
     return app
@@ -201,13 +261,31 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(args: argparse.Namespace, engine_kwargs: dict) -> int:
-    """Load the engine, serve until SIGINT / SIGTERM, and return 0 after a clean shutdown."""
+    """Load the engine, serve until SIGINT / SIGTERM, and return 0 after a clean shutdown.
+
+    Returns 1 if the engine thread died: the server stops accepting, ends every request with an error and
+    exits, so that a supervisor (systemd, Kubernetes) restarts it rather than it answering 503 forever.
+    """
     from pagedkv.config import EngineConfig
     from pagedkv.engine.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(**engine_kwargs))
-    app = build_app(engine, args.served_model_name, args.api_key, args.max_queued_requests)
+    limits = ServerLimits(**{name: getattr(args, name) for name in ServerLimits.option_names()})
+    api_key = args.api_key or os.environ.get("PAGEDKV_API_KEY") or None
+    app = build_app(engine, args.served_model_name, api_key, limits=limits, loopback_only=is_loopback(args.host))
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+    return run_server(server)
+
+
+def run_server(server: uvicorn.Server) -> int:
+    """Run uvicorn until a signal or the engine thread's death; the process exit code."""
+    async_engine: AsyncEngine = server.config.app.state.async_engine
+
+    def engine_died() -> None:
+        logger.critical("the engine thread died: shutting the server down (exit code 1)")
+        server.should_exit = True
+
+    async_engine.on_death = engine_died
     # uvicorn re-raises the signal it handled once it has shut down; by then the shutdown was clean,
     # so a handler that ignores it lets us return 0 instead of dying of the signal.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -216,4 +294,4 @@ def serve(args: argparse.Namespace, engine_kwargs: dict) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 0 if server.started else 1
+    return 0 if server.started and not async_engine.failed else 1

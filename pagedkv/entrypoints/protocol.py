@@ -1,8 +1,9 @@
 """Request and response bodies of the OpenAI API subset we serve, and OpenAI-style errors.
 
 Requests accept unknown fields (clients such as the ``openai`` package send extras like ``user`` or
-``store``) but reject the ones whose meaning we would silently ignore (``tools``, ``echo``, ...): a client
-that asks for a feature must hear that it is missing rather than get a plausible wrong answer.
+``store``) but reject the ones whose meaning we would silently ignore (``tools``, ``echo``,
+``response_format``, vLLM's ``guided_*``, ...): a client that asks for a feature must hear that it is
+missing rather than get a plausible wrong answer.
 Sampling values are range-checked by ``SamplingParams``, whose messages name the field; pydantic here
 only checks types, so every range rule lives in one place.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pagedkv.sampling import SamplingParams
 
@@ -27,6 +28,16 @@ UNSUPPORTED_FIELDS = (
     "best_of",
     "audio",
     "prediction",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "prompt_logprobs",
+    "allowed_token_ids",
+    "bad_words",
+    "logits_processors",
+    "truncate_prompt_tokens",
 )
 SAMPLING_FIELDS = (
     "n",
@@ -42,6 +53,8 @@ SAMPLING_FIELDS = (
     "repetition_penalty",
     "min_tokens",
     "ignore_eos",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
 )
 
 
@@ -55,9 +68,14 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.retry_after = retry_after  # seconds, sent as Retry-After with 429 / 503
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -86,11 +104,21 @@ class _SamplingRequest(BaseModel):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
 
     def check_supported(self) -> None:
+        response_format = (self.model_extra or {}).get("response_format")
+        if response_format not in (None, {"type": "text"}):
+            raise APIError(
+                400,
+                "response_format is not supported by this server yet (only {'type': 'text'}): remove it",
+                param="response_format",
+                code="unsupported_parameter",
+            )
         for name in UNSUPPORTED_FIELDS:
             value = (self.model_extra or {}).get(name)
             unset = value is None or value is False or value == [] or value == {}
@@ -109,11 +137,33 @@ class _SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_shape(cls, value: Any) -> Any:
+        """One error for a bad list, not one per item and per union member (validation must not amplify)."""
+        if isinstance(value, list) and not all(isinstance(s, str) for s in value):
+            raise ValueError("stop must be a string or a list of strings")
+        return value
+
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        """Check the union's shape in one pass: a list of 100 k bad items is one error, not 300 k."""
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of those")
+        if all(isinstance(p, str) for p in value) or all(_is_int(t) for t in value):
+            return value
+        if all(isinstance(p, list) and all(_is_int(t) for t in p) for p in value):
+            return value
+        raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of those")
 
     def to_sampling_params(self) -> SamplingParams:
         extra = {"max_tokens": self.max_tokens, "logprobs": self.logprobs}
@@ -161,6 +211,10 @@ class ChatCompletionRequest(_SamplingRequest):
             max_tokens, renames["max_tokens"] = self.max_completion_tokens, "max_completion_tokens"
         extra = {"max_tokens": max_tokens, "logprobs": logprobs}
         return sampling_params(self.sampling_kwargs() | extra, renames)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def sampling_params(kwargs: dict[str, Any], renames: dict[str, str] | None = None) -> SamplingParams:

@@ -1,18 +1,19 @@
 """What completions and chat completions share: starting a request on the engine, waiting for it while
-watching for a client that went away, server-sent events, usage and logprob formatting."""
+watching for a client that went away or stopped reading, server-sent events, usage and logprob formatting."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from functools import lru_cache
+from collections.abc import AsyncIterator
 
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
+from starlette.types import Message, Receive, Scope, Send
 
 from pagedkv.engine.request import CompletionOutput, RequestOutput
 from pagedkv.entrypoints.async_engine import (
@@ -20,8 +21,10 @@ from pagedkv.entrypoints.async_engine import (
     EngineOverloaded,
     EnginePrompt,
     EngineStopped,
+    RequestFailed,
     RequestStream,
 )
+from pagedkv.entrypoints.limits import ServerLimits
 from pagedkv.entrypoints.protocol import APIError, value_error
 from pagedkv.entrypoints.responses import (
     ChatLogprobs,
@@ -33,16 +36,19 @@ from pagedkv.entrypoints.responses import (
 )
 from pagedkv.sampling import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 DONE = "data: [DONE]\n\n"
 
 
 class ServingContext:
-    """The engine plus the name clients must use for it; shared by both endpoints."""
+    """The engine, the name clients must use for it and the server's limits; shared by both endpoints."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, limits: ServerLimits) -> None:
         self.engine = engine
         self.model_name = model_name
-        self._token_text = lru_cache(maxsize=65536)(self._decode_one)
+        self.limits = limits
+        self._token_texts: list[str] = []
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -60,34 +66,42 @@ class ServingContext:
         params: SamplingParams,
         cache_salt: str | None,
         prompt_param: str,
+        stream: bool,
     ) -> RequestStream:
-        """Queue the prompts; map engine refusals to OpenAI errors (400 / 503)."""
+        """Tokenize and queue the prompts; map engine refusals to OpenAI errors (400 / 500 / 503)."""
+        if params.logprobs is not None and not self._token_texts:
+            self._token_texts = await self.engine.tokenizer.token_texts()
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
-            return await self.engine.add(request_id, prompts, params, cache_salt)
+            return await self.engine.add(request_id, prompts, params, cache_salt, stream)
         except ValueError as exc:
             raise value_error(exc, prompt_param=prompt_param) from exc
         except EngineOverloaded as exc:
-            raise APIError(503, str(exc), type="server_overloaded", code="server_overloaded") from exc
-        except EngineStopped as exc:
-            raise APIError(503, str(exc), type="server_error", code="server_shutting_down") from exc
+            raise APIError(503, str(exc), type="server_overloaded", code="server_overloaded", retry_after=1) from exc
+        except (EngineStopped, RequestFailed) as exc:
+            raise engine_error(exc) from exc
 
     def token_text(self, token_id: int) -> str:
-        return self._token_text(token_id)
+        texts = self._token_texts
+        return texts[token_id] if 0 <= token_id < len(texts) else ""
 
-    def _decode_one(self, token_id: int) -> str:
-        return self.engine.engine.tokenizer.decode([token_id])
+
+def engine_error(exc: EngineStopped | RequestFailed) -> APIError:
+    """503 when the server is going away (retry elsewhere or later), 500 when the engine failed this request."""
+    if isinstance(exc, RequestFailed):
+        return APIError(500, str(exc), type="server_error", code="internal_error")
+    return APIError(503, str(exc), type="server_error", code="server_shutting_down", retry_after=5)
 
 
 async def collect(stream: RequestStream, request: Request) -> list[RequestOutput]:
-    """Wait for every prompt to finish, aborting if the client disconnects meanwhile."""
+    """Wait for every prompt's final output, aborting if the client disconnects meanwhile."""
     watcher = asyncio.create_task(_abort_on_disconnect(stream, request))
     final: dict[int, RequestOutput] = {}
     try:
         async for index, output in stream:
             final[index] = output
-    except EngineStopped as exc:
-        raise APIError(503, str(exc), type="server_error", code="server_shutting_down") from exc
+    except (EngineStopped, RequestFailed) as exc:
+        raise engine_error(exc) from exc
     finally:
         watcher.cancel()
         stream.abort()
@@ -104,25 +118,48 @@ async def _abort_on_disconnect(stream: RequestStream, request: Request) -> None:
             return
 
 
-def event_stream(stream: RequestStream, events: AsyncIterator[BaseModel]) -> StreamingResponse:
-    """Server-sent events; a client that disconnects aborts the request and frees its blocks.
+class ClientStalled(Exception):
+    """A streaming client read nothing for longer than the stall timeout."""
 
-    Starlette cancels the response when it sees the disconnect. The generator's ``finally`` covers a
-    cancel that lands while it waits for the engine; the background task covers one that lands in
-    ``send``, where the generator is merely suspended and would be closed only when garbage collected.
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events; a client that disconnects or stops reading aborts the request and frees its blocks.
+
+    Starlette cancels the response when it sees the disconnect. The generator's ``finally`` covers a cancel
+    that lands while it waits for the engine; the background task covers one that lands in ``send``, where
+    the generator is merely suspended and would be closed only when garbage collected. A client that keeps
+    the socket open but stops reading makes ``send`` wait forever once the socket buffers are full: each
+    send gets ``stall_timeout_s``, after which the request is aborted and the connection dropped.
     """
-    return StreamingResponse(
-        _sse(stream, events), media_type="text/event-stream", background=BackgroundTask(stream.abort)
-    )
+
+    def __init__(self, stream: RequestStream, events: AsyncIterator[BaseModel], stall_timeout_s: float) -> None:
+        super().__init__(_sse(stream, events), media_type="text/event-stream", background=BackgroundTask(stream.abort))
+        self.stream = stream
+        self.stall_timeout_s = stall_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def bounded_send(message: Message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.stall_timeout_s)
+            except TimeoutError:
+                raise ClientStalled from None
+
+        try:
+            await super().__call__(scope, receive, bounded_send)
+        except ClientStalled:  # starlette collapses a one-exception group to the exception itself
+            logger.warning(
+                "%s: the client read nothing for %.0f s; aborted", self.stream.request_id, self.stall_timeout_s
+            )
+            self.stream.abort()
+            await self.body_iterator.aclose()  # now, not whenever the suspended generator is collected
 
 
 async def _sse(stream: RequestStream, events: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
     try:
         async for event in events:
             yield f"data: {event.model_dump_json()}\n\n"
-    except EngineStopped as exc:
-        error = APIError(503, str(exc), type="server_error", code="server_shutting_down")
-        yield f"data: {json.dumps(error.body())}\n\n"
+    except (EngineStopped, RequestFailed) as exc:
+        yield f"data: {json.dumps(engine_error(exc).body())}\n\n"
     finally:
         stream.abort()
     yield DONE
@@ -144,17 +181,13 @@ def fresh_samples(index: int, output: RequestOutput, reported: set[tuple[int, in
     return fresh
 
 
-def usage(outputs: Sequence[RequestOutput | None]) -> Usage:
+def usage(stream: RequestStream) -> Usage:
     """Token counts over all prompts; a prompt's tokens count once however many samples it has."""
-    done = [o for o in outputs if o is not None]
-    prompt = sum(len(o.prompt_token_ids) for o in done)
-    completion = sum(len(s.token_ids) for o in done for s in o.outputs)
-    cached = sum(o.num_cached_tokens for o in done)
     return Usage(
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        total_tokens=prompt + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        prompt_tokens=stream.prompt_tokens,
+        completion_tokens=stream.completion_tokens,
+        total_tokens=stream.prompt_tokens + stream.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(stream.cached_tokens.values())),
     )
 
 
@@ -184,11 +217,13 @@ def _top(ctx: ServingContext, token_id: int, logprob: float) -> TopLogprob:
     return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
 
 
-def completion_logprobs(ctx: ServingContext, sample: CompletionOutput, delta: bool) -> CompletionLogprobs | None:
+def completion_logprobs(
+    ctx: ServingContext, sample: CompletionOutput, delta: bool, offset: int = 0
+) -> CompletionLogprobs | None:
+    """``offset``: characters of this sample's text sent before this delta (text_offset starts there)."""
     if sample.logprobs is None:
         return None
     ids, logprobs, tops = _logprob_slice(sample, delta)
-    offset = len(sample.text) - len(sample.delta_text) if delta else 0
     result = CompletionLogprobs()
     for i, (token_id, logprob) in enumerate(zip(ids, logprobs, strict=False)):
         text = ctx.token_text(token_id)

@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pagedkv.engine.request import RequestOutput
 from pagedkv.entrypoints.async_engine import EnginePrompt, RequestStream
 from pagedkv.entrypoints.protocol import ChatCompletionRequest
 from pagedkv.entrypoints.responses import (
@@ -24,10 +23,10 @@ from pagedkv.entrypoints.responses import (
     ChatDelta,
 )
 from pagedkv.entrypoints.serving import (
+    EventStreamResponse,
     ServingContext,
     chat_logprobs,
     collect,
-    event_stream,
     fresh_samples,
     usage,
 )
@@ -38,12 +37,11 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     body.check_supported()
     params = body.to_sampling_params()
     messages = [m.as_template_dict(i) for i, m in enumerate(body.messages)]
-    stream = await ctx.start(
-        "chatcmpl", [EnginePrompt(messages=messages)], params, body.cache_salt, prompt_param="messages"
-    )
+    prompt = [EnginePrompt(messages=messages)]
+    stream = await ctx.start("chatcmpl", prompt, params, body.cache_salt, prompt_param="messages", stream=body.stream)
     if body.stream:
         events = _stream_events(ctx, stream, body, params.n)
-        return event_stream(stream, events)
+        return EventStreamResponse(stream, events, ctx.limits.stream_stall_timeout_s)
     (output,) = await collect(stream, request)
     response = ChatCompletionResponse(
         id=stream.request_id,
@@ -58,7 +56,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
             )
             for sample in output.outputs
         ],
-        usage=usage([output]),
+        usage=usage(stream),
     )
     return Response(response.model_dump_json(), media_type="application/json")
 
@@ -74,10 +72,8 @@ async def _stream_events(
         )
 
     yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")) for i in range(n)])
-    last: RequestOutput | None = None
     reported: set[tuple[int, int]] = set()
     async for index, output in stream:
-        last = output
         choices = [
             ChatChunkChoice(
                 index=sample.index,
@@ -90,4 +86,4 @@ async def _stream_events(
         if choices:
             yield chunk(choices)
     if body.include_usage:
-        yield chunk([], usage=usage([last]))
+        yield chunk([], usage=usage(stream))

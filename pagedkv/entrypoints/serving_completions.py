@@ -12,15 +12,14 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pagedkv.engine.request import RequestOutput
 from pagedkv.entrypoints.async_engine import EnginePrompt, RequestStream
 from pagedkv.entrypoints.protocol import APIError, CompletionRequest
 from pagedkv.entrypoints.responses import CompletionChoice, CompletionResponse
 from pagedkv.entrypoints.serving import (
+    EventStreamResponse,
     ServingContext,
     collect,
     completion_logprobs,
-    event_stream,
     fresh_samples,
     usage,
 )
@@ -43,10 +42,10 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     body.check_supported()
     params = body.to_sampling_params()
     prompts = completion_prompts(body.prompt)
-    stream = await ctx.start("cmpl", prompts, params, body.cache_salt, prompt_param="prompt")
+    stream = await ctx.start("cmpl", prompts, params, body.cache_salt, prompt_param="prompt", stream=body.stream)
     if body.stream:
-        events = _stream_events(ctx, stream, body, params.n, len(prompts))
-        return event_stream(stream, events)
+        events = _stream_events(ctx, stream, body, params.n)
+        return EventStreamResponse(stream, events, ctx.limits.stream_stall_timeout_s)
     outputs = await collect(stream, request)
     response = CompletionResponse(
         id=stream.request_id,
@@ -62,32 +61,35 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
             for i, output in enumerate(outputs)
             for sample in output.outputs
         ],
-        usage=usage(outputs),
+        usage=usage(stream),
     )
     return Response(response.model_dump_json(), media_type="application/json")
 
 
 async def _stream_events(
-    ctx: ServingContext, stream: RequestStream, body: CompletionRequest, n: int, num_prompts: int
+    ctx: ServingContext, stream: RequestStream, body: CompletionRequest, n: int
 ) -> AsyncIterator[CompletionResponse]:
     created = int(time.time())
-    last: list[RequestOutput | None] = [None] * num_prompts
     reported: set[tuple[int, int]] = set()
+    sent_chars: dict[tuple[int, int], int] = {}  # text already streamed per choice: logprobs' text_offset
     async for index, output in stream:
-        last[index] = output
-        choices = [
-            CompletionChoice(
-                index=index * n + sample.index,
-                text=sample.delta_text,
-                logprobs=completion_logprobs(ctx, sample, delta=True),
-                finish_reason=sample.finish_reason,
-                stop_reason=sample.stop_reason,
+        choices = []
+        for sample in fresh_samples(index, output, reported):
+            key = (index, sample.index)
+            offset = sent_chars.get(key, 0)
+            sent_chars[key] = offset + len(sample.delta_text)
+            choices.append(
+                CompletionChoice(
+                    index=index * n + sample.index,
+                    text=sample.delta_text,
+                    logprobs=completion_logprobs(ctx, sample, delta=True, offset=offset),
+                    finish_reason=sample.finish_reason,
+                    stop_reason=sample.stop_reason,
+                )
             )
-            for sample in fresh_samples(index, output, reported)
-        ]
         if choices:
             yield CompletionResponse(id=stream.request_id, created=created, model=ctx.model_name, choices=choices)
     if body.include_usage:
         yield CompletionResponse(
-            id=stream.request_id, created=created, model=ctx.model_name, choices=[], usage=usage(last)
+            id=stream.request_id, created=created, model=ctx.model_name, choices=[], usage=usage(stream)
         )

@@ -1,0 +1,164 @@
+"""ServerLimits: every bound the server puts on a request, each checked before any work is done for it.
+
+A request body that passes JSON parsing can still cost the server far more than its size suggests: a
+million samples (``n``), half a million stop strings scanned after every token, a 4 MiB prompt tokenized
+before it is found too long, or a list of 100 k bad items that a validator turns into 300 k error objects.
+So before pydantic sees a body, ``check_shape`` walks the parsed JSON once (depth and list lengths), and
+``ServerLimits.check`` bounds the fields whose cost grows with their value. Each limit is a server option
+(``pagedkv serve --help``) and its error is a 400 that names the field and the option.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from pagedkv.entrypoints.protocol import APIError
+
+
+def _limit_field(default: float | None, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(slots=True)
+class ServerLimits:
+    """Per-request bounds. ``max_prompt_chars=None`` means 32 characters per token of context: a token of
+    this kind of tokenizer is rarely longer, so a longer prompt could not fit and tokenizing it is waste."""
+
+    max_n: int = _limit_field(128, "samples per prompt (n)")
+    max_prompts: int = _limit_field(64, "prompts in one completions request")
+    max_stop_strings: int = _limit_field(32, "stop strings per request")
+    max_stop_string_chars: int = _limit_field(256, "characters per stop string")
+    max_stop_token_ids: int = _limit_field(1024, "stop_token_ids per request")
+    max_prompt_chars: int | None = _limit_field(
+        None, "prompt characters, checked before tokenizing (default: 32 x max_model_len)"
+    )
+    max_messages: int = _limit_field(512, "chat messages per request")
+    max_list_items: int = _limit_field(4096, "items of any other list in a request body")
+    max_json_depth: int = _limit_field(32, "nesting depth of a request body")
+    max_queued_seqs: int = _limit_field(256, "sequences (n x prompts) queued or running; past it: 503 + Retry-After")
+    stream_stall_timeout_s: float = _limit_field(
+        30.0, "seconds a streaming client may read nothing before its request is aborted"
+    )
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{f.name} must be > 0, got {value!r}")
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """One ``--max-n``-style option per limit, with the same default and help as here."""
+        group = parser.add_argument_group("request limits (each exceeded limit is a 400 naming it)")
+        for f in fields(cls):
+            kind = float if f.name.endswith("_s") else int
+            group.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=f.metadata["help"])
+
+    def prompt_chars(self, max_model_len: int) -> int:
+        return self.max_prompt_chars or 32 * max_model_len
+
+    def check(self, body: dict[str, Any], max_model_len: int) -> None:
+        """The field-specific bounds, on the raw JSON (before pydantic builds anything from it)."""
+        n = body.get("n")
+        if isinstance(n, int) and n > self.max_n:
+            raise _limit("n", f"n is {n} but this server allows at most {self.max_n}", "max_n")
+        stop = body.get("stop")
+        stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+        if len(stops) > self.max_stop_strings:
+            raise _limit("stop", f"{len(stops)} stop strings, at most {self.max_stop_strings}", "max_stop_strings")
+        longest = max((len(s) for s in stops if isinstance(s, str)), default=0)
+        if longest > self.max_stop_string_chars:
+            raise _limit(
+                "stop",
+                f"a stop string has {longest} characters, at most {self.max_stop_string_chars}",
+                "max_stop_string_chars",
+            )
+        stop_ids = body.get("stop_token_ids")
+        if isinstance(stop_ids, list) and len(stop_ids) > self.max_stop_token_ids:
+            raise _limit(
+                "stop_token_ids",
+                f"{len(stop_ids)} stop token ids, at most {self.max_stop_token_ids}",
+                "max_stop_token_ids",
+            )
+        self._check_prompt(body, max_model_len)
+
+    def _check_prompt(self, body: dict[str, Any], max_model_len: int) -> None:
+        prompt, messages = body.get("prompt"), body.get("messages")
+        if isinstance(prompt, list):
+            if prompt and isinstance(prompt[0], list | str) and len(prompt) > self.max_prompts:
+                raise _limit("prompt", f"{len(prompt)} prompts, at most {self.max_prompts}", "max_prompts")
+            token_lists = [p for p in prompt if isinstance(p, list)] or [prompt]
+            longest = max(len(p) for p in token_lists)
+            if longest > max_model_len:
+                raise _limit(
+                    "prompt", f"a prompt has {longest} token ids but max_model_len is {max_model_len}", "max_model_len"
+                )
+        if isinstance(messages, list) and len(messages) > self.max_messages:
+            raise _limit("messages", f"{len(messages)} messages, at most {self.max_messages}", "max_messages")
+        chars = _text_chars(prompt) + _text_chars(messages)
+        limit = self.prompt_chars(max_model_len)
+        if chars > limit:
+            param = "messages" if messages is not None else "prompt"
+            raise _limit(param, f"the prompt text has {chars} characters, at most {limit}", "max_prompt_chars")
+
+    def check_shape(self, body: Any) -> None:
+        """Depth and list lengths of the whole parsed body, iteratively (a deep body cannot overflow the stack).
+
+        ``prompt`` may hold token-id lists up to ``max_model_len``; its bounds are checked by ``check``.
+        """
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object")
+        stack: list[tuple[Any, int, str]] = [(v, 1, k) for k, v in body.items()]
+        while stack:
+            value, depth, path = stack.pop()
+            if depth > self.max_json_depth:
+                raise _limit(path, f"{path} nests deeper than {self.max_json_depth} levels", "max_json_depth")
+            if isinstance(value, str):
+                _check_text(value, path)
+            elif isinstance(value, dict):
+                stack.extend((v, depth + 1, path) for v in value.values())
+            elif isinstance(value, list):
+                if path != "prompt" and len(value) > self.max_list_items:
+                    message = f"{path} has {len(value)} items, at most {self.max_list_items}"
+                    raise _limit(path, message, "max_list_items")
+                stack.extend((v, depth + 1, path) for v in value if isinstance(v, str | dict | list))
+
+
+def _check_text(text: str, path: str) -> None:
+    """JSON may escape a lone surrogate ("\\ud800"), which is no text: the tokenizer, the prefix-cache hash
+    and the response encoder would each fail on it later, so it is refused here, naming the field."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise APIError(
+                400,
+                f"{path} holds a lone surrogate (\\u{ord(exc.object[exc.start]):04x}), which is not text",
+                param=path,
+            ) from exc
+
+
+def _text_chars(value: Any) -> int:
+    """Characters of prompt text: a string, a list of strings, or chat messages' text content."""
+    if isinstance(value, str):
+        return len(value)
+    if not isinstance(value, list):
+        return 0
+    total = 0
+    for item in value:
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):  # a chat message, or one text part of a message's content
+            total += _text_chars(item.get("content")) + _text_chars(item.get("text"))
+    return total
+
+
+def _limit(param: str, message: str, option: str) -> APIError:
+    flag = "--" + option.replace("_", "-")
+    return APIError(400, f"{message}: this server's limit ({flag})", param=param, code="limit_exceeded")
