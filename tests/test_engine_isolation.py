@@ -32,7 +32,7 @@ def reference(llm: LLM) -> list[list[int]]:
 def assert_clean(llm: LLM) -> None:
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.kv.num_used_blocks == 0
-    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting and not llm.engine.scheduler.requests
 
 
 def victim_params() -> SamplingParams:
@@ -67,9 +67,9 @@ def test_a_detokenizer_fault_fails_only_its_request(llm, reference, monkeypatch)
 
     def add_request(*args, **kwargs):
         request_id = real_add(*args, **kwargs)
-        for request in llm.engine.groups[request_id]:
-            if request.params.seed == VICTIM_SEED:
-                monkeypatch.setattr(request.detokenizer, "add_token", _raise)
+        if kwargs["params"].seed == VICTIM_SEED:
+            for sample in llm.engine.processor.groups[request_id].samples:
+                monkeypatch.setattr(sample.detokenizer, "add_token", _raise)
         return request_id
 
     monkeypatch.setattr(llm.engine, "add_request", add_request)
@@ -134,7 +134,7 @@ def test_bad_requests_are_refused_whole(llm, kwargs, message):
     prompt = {"prompt_token_ids": list(range(1, 40))}  # > 2 blocks: its keys are hashed at add time
     with pytest.raises(ValueError, match=message):
         llm.engine.add_request("bad", params=SamplingParams(n=3), **(prompt | kwargs))
-    assert "bad" not in llm.engine.groups
+    assert "bad" not in llm.engine.processor.groups and not llm.engine.scheduler.requests
     assert_clean(llm)
     assert llm.engine.step() == []
 

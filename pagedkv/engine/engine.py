@@ -1,8 +1,11 @@
 """LLMEngine: add requests, run steps, stream outputs. The loop every entrypoint drives.
 
-One ``step()`` = schedule (which requests, how many tokens each) -> run the model on the flat batch ->
-sample one token per request whose known tokens are all computed -> append, detokenize, check stops ->
-free finished requests' blocks. Callers (``LLM``, the HTTP server) just call ``step()`` until nothing is left.
+One ``step()`` = ``Scheduler.schedule`` (which requests, how many tokens each) -> ``ModelRunner.execute``
+(the flat batch through the model) -> ``Sampler`` (one token per row that reached the end of its known
+tokens) -> ``Scheduler.update_from_output`` (advance, verify drafts, append, token-level stops, free) ->
+``OutputProcessor.process`` (detokenize, stop strings, the caller's RequestOutputs). Each piece of step state
+has one owner; this class only wires them and keeps a failure with the request it belongs to. Callers
+(``LLM``, the HTTP server) just call ``step()`` until nothing is left.
 """
 
 from __future__ import annotations
@@ -11,20 +14,18 @@ import itertools
 import logging
 import operator
 import os
-import time
 from collections.abc import Sequence
 
 import torch
 
 from pagedkv.attention.backend import resolve_backend
 from pagedkv.config import EngineConfig
-from pagedkv.engine import speculative
-from pagedkv.engine.detokenizer import IncrementalDetokenizer
-from pagedkv.engine.outputs import build_output, check_stop
+from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.prompts import encode_text, render_chat
-from pagedkv.engine.request import OutputKind, Request, RequestOutput
+from pagedkv.engine.request import CoreOutput, OutputKind, Request, RequestOutput
 from pagedkv.engine.runner import ModelRunner, kv_block_bytes
 from pagedkv.engine.scheduler import ScheduledRequest, Scheduler
+from pagedkv.errors import InvalidParameter
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.model import panel
 from pagedkv.model.loader import load_model
@@ -56,19 +57,11 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.num_speculative_tokens,
             self.max_model_len,
+            self.eos_token_ids,
         )
         self.runner = ModelRunner(model, self.kv)
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
-        self.groups: dict[str, list[Request]] = {}
-        self.prompts: dict[str, str | None] = {}
-        self.counters = {
-            "prompt_tokens_computed": 0,
-            "generation_tokens": 0,
-            "requests_finished": 0,
-            "draft_tokens": 0,
-            "draft_tokens_accepted": 0,
-            "requests_failed": 0,
-        }
+        self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         logger.info(
             "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, attention %s, linear %s",
@@ -105,36 +98,36 @@ class LLMEngine:
         """
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self.groups:
+        if request_id in self.processor.groups:
             raise ValueError(f"request_id {request_id!r} is already in use: pick a unique id")
         if prompt_token_ids is None:
             if prompt is None:
-                raise ValueError("give a prompt or prompt_token_ids")
+                raise InvalidParameter("prompt", "give a prompt or prompt_token_ids")
             prompt_token_ids = self.encode(prompt)
         token_ids = _as_token_ids(prompt_token_ids)
         self._validate(token_ids, params, cache_salt)
-        group = []
+        block_size = self.kv.block_size if self.kv.enable_prefix_caching else 0
+        requests: list[Request] = []
         for index in range(params.n):
-            request = Request(
-                request_id=f"{request_id}#{index}" if params.n > 1 else request_id,
-                group_id=request_id,
-                index=index,
-                token_ids=list(token_ids),
-                num_prompt_tokens=len(token_ids),
-                params=params,
-                cache_salt=cache_salt,
-                generator=make_generator(None if params.seed is None else (params.seed + index) % 2**64),
-                detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params),
-                output_kind=output_kind,
+            requests.append(
+                Request(
+                    request_id=f"{request_id}#{index}" if params.n > 1 else request_id,
+                    group_id=request_id,
+                    index=index,
+                    token_ids=list(token_ids),
+                    num_prompt_tokens=len(token_ids),
+                    params=params,
+                    cache_salt=cache_salt,
+                    generator=make_generator(None if params.seed is None else (params.seed + index) % 2**64),
+                    block_size=block_size,
+                    block_keys=list(requests[0].block_keys) if requests else [],  # n samples, one prompt
+                )
             )
-            if group:  # the n samples share the prompt, so they share its block keys
-                request.block_keys = list(group[0].block_keys)
-            else:
-                self.scheduler.extend_keys(request, len(token_ids) // self.kv.block_size)
-            group.append(request)
-        self.groups[request_id] = group
-        self.prompts[request_id] = prompt
-        for request in group:
+        group = self.processor.make_group(
+            request_id, [r.request_id for r in requests], prompt, token_ids, params, output_kind
+        )
+        self.processor.add(group)
+        for request in requests:
             self.scheduler.add(request)
         return request_id
 
@@ -142,46 +135,46 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if not token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
+            raise InvalidParameter("prompt", "the prompt is empty: give at least one token")
         vocab = self.hf_config.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab:
-            raise ValueError(f"prompt token ids must lie in [0, {vocab}) for this model")
+            raise InvalidParameter("prompt", f"prompt token ids must lie in [0, {vocab}) for this model")
         if cache_salt is not None:
             if not isinstance(cache_salt, str) or not cache_salt:
-                raise ValueError("cache_salt must be a non-empty string (or None)")
+                raise InvalidParameter("cache_salt", "cache_salt must be a non-empty string (or None)")
             try:
                 cache_salt.encode("utf-8")
             except UnicodeEncodeError as exc:
-                raise ValueError("cache_salt must be valid Unicode text: it holds a lone surrogate") from exc
+                raise InvalidParameter(
+                    "cache_salt", "cache_salt must be valid Unicode text: it holds a lone surrogate"
+                ) from exc
         params.verify_for_model(vocab, self.eos_token_ids)
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(
+            raise InvalidParameter(
+                "prompt",
                 f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}: shorten the "
-                f"prompt (it must leave room for at least one generated token) or raise max_model_len"
+                f"prompt (it must leave room for at least one generated token) or raise max_model_len",
             )
         max_tokens = self.max_model_len - len(token_ids) if params.max_tokens is None else params.max_tokens
         needed = min(len(token_ids) + max_tokens, self.max_model_len)
         capacity = self.kv.num_total_blocks * self.kv.block_size
         if needed > capacity:
-            raise ValueError(
+            raise InvalidParameter(
+                "max_tokens",
                 f"this request may need {needed} tokens of KV cache but the whole pool holds {capacity} "
                 f"({self.kv.num_total_blocks} blocks of {self.kv.block_size}): lower max_tokens, shorten the "
-                f"prompt, or raise num_kv_blocks / kv_cache_memory_gb"
+                f"prompt, or raise num_kv_blocks / kv_cache_memory_gb",
             )
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and give its blocks back. False if it is unknown or already done."""
-        group = self.groups.pop(request_id, None)
-        self.prompts.pop(request_id, None)
-        if group is None:
+        if request_id not in self.processor.groups:
             return False
-        for request in group:
-            if not request.is_finished:
-                self.scheduler.finish(request, "abort")
+        self.scheduler.finish_requests(self.processor.abort(request_id), "abort")
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.groups)
+        return bool(self.processor.groups)
 
     # -- one step -------------------------------------------------------------------------------------
 
@@ -189,46 +182,26 @@ class LLMEngine:
         """Run one engine step; returns an output for every request that made progress.
 
         Failures stay with their request: if the batched sampler raises, each request is sampled again on
-        its own and only the ones that still fail are stopped; an exception while appending a token
-        (detokenizing, stop strings, hashing) stops that request alone. Only the model call itself can
-        fail a whole step, and then just the requests scheduled in it are stopped, their blocks freed.
+        its own and only the ones that still fail are stopped; the scheduler and the output processor stop
+        a request whose own update raises. Only the model call itself can fail a whole step, and then just
+        the requests scheduled in it are stopped, their blocks freed.
         """
         step = self.scheduler.schedule()
         if not step.scheduled:
             return []
-        touched: dict[str, None] = {}
         try:
             logits, sampled = self.runner.execute(step)
         except Exception:
             logger.exception("the model step failed; stopping the %d requests scheduled in it", len(step.scheduled))
-            for s in step.scheduled:
-                self._fail(s.request, touched)
-            return self._collect_outputs(touched)
-        for s in step.scheduled:
-            if s.draft_token_ids:
-                continue  # how many of its tokens count is known once the drafts are checked
-            request = s.request
-            start = request.num_computed_tokens
-            request.num_computed_tokens += s.num_new_tokens
-            self.counters["prompt_tokens_computed"] += max(
-                0, min(request.num_prompt_tokens, request.num_computed_tokens) - start
-            )
-            self._guarded(request, touched, self._cache_full_blocks, request)
-        if sampled:
-            rows = [(step.scheduled[i], n) for i, n in sampled]
-            out, failed = self._sample(logits, rows)
-            now = time.perf_counter()
-            row = 0
-            for s, n in rows:
-                touched[s.request.group_id] = None
-                if s.request.request_id in failed:
-                    self._fail(s.request, touched)
-                elif s.draft_token_ids:
-                    self._guarded(s.request, touched, self._accept_drafts, s, row, out, now)
-                elif not s.request.is_finished:
-                    self._guarded(s.request, touched, self._append_token, s.request, row, out, now)
-                row += n
-        return self._collect_outputs(touched)
+            return self._process([self.scheduler.fail(s.request) for s in step.scheduled])
+        out, failed = self._sample(logits, [(step.scheduled[i], n) for i, n in sampled])
+        return self._process(self.scheduler.update_from_output(step, sampled, out, failed))
+
+    def _process(self, core_outputs: list[CoreOutput]) -> list[RequestOutput]:
+        outputs, stops = self.processor.process(core_outputs)
+        for stop in stops:
+            self.scheduler.finish_requests([stop.request_id], stop.reason, stop.stop_reason)
+        return outputs
 
     def _sample(self, logits: torch.Tensor, rows: list[tuple[ScheduledRequest, int]]) -> tuple[SamplerOutput, set[str]]:
         """One batched sampler call; if it raises, each request alone, so only a request at fault fails.
@@ -257,84 +230,16 @@ class LLMEngine:
         return out, failed
 
     def _sample_rows(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """The sampler reads a row's history only for penalties and min_tokens; other rows pass nothing,
+        so plain decoding does not copy every request's prompt and output every step."""
+        history = [_history(r) for r in requests]
         return self.sampler(
             logits,
             [r.params for r in requests],
             [r.generator for r in requests],
-            [r.prompt_token_ids for r in requests],
-            [r.output_token_ids for r in requests],
+            [h[0] for h in history],
+            [h[1] for h in history],
         )
-
-    def _guarded(self, request: Request, touched: dict[str, None], work, *args) -> None:
-        """Run ``work(*args)`` for one request; if it raises, stop that request (and only it)."""
-        try:
-            work(*args)
-        except Exception:
-            logger.exception("request %s failed; stopping it", request.request_id)
-            self._fail(request, touched)
-
-    def _fail(self, request: Request, touched: dict[str, None]) -> None:
-        """Stop a request with finish_reason "error" and free its blocks; its group reports the error."""
-        touched[request.group_id] = None
-        if not request.is_finished:
-            self.scheduler.finish(request, "error")
-            self.counters["requests_failed"] += 1
-
-    def _accept_drafts(self, s: ScheduledRequest, row: int, out, now: float) -> None:
-        """Keep the drafts the model agreed with and its own token after them; the rest are forgotten.
-
-        The step computed K/V for the last token and every draft, but only the accepted drafts' entries are
-        right (a rejected draft was not the real token): the request counts those as computed, and the
-        wrong slots are simply overwritten later. Full blocks are cached only up to verified tokens.
-        """
-        request = s.request
-        chosen = out.token_ids[row : row + 1 + len(s.draft_token_ids)]
-        accepted = speculative.accepted_length(s.draft_token_ids, chosen)
-        self.counters["draft_tokens"] += len(s.draft_token_ids)
-        self.counters["draft_tokens_accepted"] += accepted
-        request.num_computed_tokens += 1 + accepted
-        for j in range(accepted + 1):
-            self._append_token(request, row + j, out, now)
-            if request.is_finished:
-                return
-        self._cache_full_blocks(request)
-
-    def _cache_full_blocks(self, request: Request) -> None:
-        if not self.kv.enable_prefix_caching:
-            return
-        num_full = request.num_computed_tokens // self.kv.block_size
-        self.scheduler.extend_keys(request, num_full)
-        self.kv.cache_full_blocks(request.request_id, request.block_keys, num_full)
-
-    def _append_token(self, request: Request, row: int, out, now: float) -> None:
-        token = out.token_ids[row]
-        request.token_ids.append(token)
-        request.first_token_time = request.first_token_time or now
-        request.last_token_time = now
-        self.counters["generation_tokens"] += 1
-        if request.params.logprobs is not None and out.logprobs is not None:
-            request.logprobs.append(out.logprobs[row])
-            request.top_logprobs.append(out.top_logprobs[row] or [])
-        reason, stop_reason = check_stop(request, token, self.eos_token_ids, self.max_model_len)
-        if reason is not None:
-            self.scheduler.finish(request, reason, stop_reason)
-            self.counters["requests_finished"] += 1
-
-    def _collect_outputs(self, touched: dict[str, None]) -> list[RequestOutput]:
-        outputs = []
-        for group_id in touched:
-            group = self.groups.get(group_id)
-            if group is None:
-                continue
-            finished = all(r.is_finished for r in group)
-            if not finished and group[0].output_kind is OutputKind.FINAL_ONLY:
-                continue
-            output = build_output(group_id, self.prompts[group_id], group)
-            outputs.append(output)
-            if finished:
-                del self.groups[group_id]
-                del self.prompts[group_id]
-        return outputs
 
     # -- cache and counters ---------------------------------------------------------------------------
 
@@ -343,7 +248,7 @@ class LLMEngine:
 
     def stats(self) -> dict[str, float]:
         stats = dict(self.kv.stats())
-        stats.update(self.counters)
+        stats.update(self.scheduler.counters)
         stats["num_requests_running"] = len(self.scheduler.running)
         stats["num_requests_waiting"] = len(self.scheduler.waiting)
         stats["num_preemptions"] = self.scheduler.num_preemptions
@@ -355,4 +260,14 @@ def _as_token_ids(values: Sequence[int]) -> list[int]:
     try:
         return [operator.index(t) for t in values]
     except TypeError as exc:
-        raise ValueError(f"prompt token ids must be integers: {exc}") from exc
+        raise InvalidParameter("prompt", f"prompt token ids must be integers: {exc}") from exc
+
+
+def _history(request: Request) -> tuple[Sequence[int], Sequence[int]]:
+    """(prompt, output) token ids as far as the sampler needs them for this request's parameters."""
+    params = request.params
+    if params.has_penalties:
+        return request.prompt_token_ids, request.output_token_ids
+    if params.min_tokens:
+        return (), request.output_token_ids
+    return (), ()

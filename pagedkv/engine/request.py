@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 import torch
 
-from pagedkv.kv.hashing import BlockKey
+from pagedkv.kv.hashing import BlockKey, extend_block_keys
 from pagedkv.sampling import SamplingParams
 
 
@@ -38,11 +37,12 @@ INTERNAL_ERROR = "the engine failed while processing this request; it was stoppe
 
 @dataclass(slots=True)
 class Request:
-    """One sequence. A request with ``n > 1`` becomes n of these that share a ``group_id``.
+    """One sequence as the engine core sees it: tokens, progress, blocks. A request with ``n > 1`` becomes n
+    of these that share a ``group_id``. Text, streaming cursors and logprobs live in the output processor.
 
     ``token_ids`` is prompt + output in one list, appended to in place, so neither the scheduler nor the
-    runner ever concatenates. ``block_keys`` holds the prefix-cache key of every full block computed so far
-    (or, before admission, of every full prompt block), extended incrementally.
+    runner ever concatenates. ``block_keys`` holds the prefix-cache key of every full block of ``token_ids``
+    (``block_size`` 0: prefix caching is off and nothing is hashed), extended by ``append_tokens``.
     """
 
     request_id: str
@@ -53,21 +53,25 @@ class Request:
     params: SamplingParams
     cache_salt: str | None = None
     generator: torch.Generator | None = None
+    block_size: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     block_keys: list[BlockKey] = field(default_factory=list)
-    output_kind: OutputKind = OutputKind.CUMULATIVE
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    arrival_time: float = field(default_factory=time.perf_counter)
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    detokenizer: object | None = None
-    emitted_tokens: int = 0  # how many output tokens have been reported in a delta
-    emitted_text: int = 0  # how many characters of output text have been reported
+
+    def __post_init__(self) -> None:
+        self._key_full_blocks()
+
+    def append_tokens(self, token_ids: list[int]) -> None:
+        """Append sampled (verified) tokens and key the blocks they complete."""
+        self.token_ids.extend(token_ids)
+        self._key_full_blocks()
+
+    def _key_full_blocks(self) -> None:
+        if self.block_size and len(self.token_ids) // self.block_size > len(self.block_keys):
+            extend_block_keys(self.block_keys, self.token_ids, self.block_size, self.cache_salt)
 
     @property
     def num_tokens(self) -> int:
@@ -92,6 +96,30 @@ class Request:
     @property
     def is_prefilling(self) -> bool:
         return self.num_computed_tokens < self.num_prompt_tokens
+
+
+@dataclass(slots=True)
+class CoreOutput:
+    """What one step did for one request, as the scheduler reports it to the output processor: a snapshot,
+    so the processor never reads core state (it may run on another thread)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[float] | None = None  # one per new token, for requests that asked
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+    @classmethod
+    def of(cls, request: Request, new_token_ids: list[int]) -> CoreOutput:
+        return cls(
+            request.request_id,
+            new_token_ids,
+            request.finish_reason,
+            request.stop_reason,
+            request.num_cached_tokens or 0,
+        )
 
 
 @dataclass(slots=True)

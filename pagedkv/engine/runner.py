@@ -53,8 +53,8 @@ class ModelRunner:
         for i, s in enumerate(step.scheduled):
             request = s.request
             start = request.num_computed_tokens
-            end = start + s.num_new_tokens
-            input_ids.extend(request.token_ids[start : end - len(s.draft_token_ids)] + s.draft_token_ids)
+            end = start + s.num_scheduled_tokens
+            input_ids.extend(request.token_ids[start : start + s.num_new_tokens] + s.draft_token_ids)
             positions.extend(range(start, end))
             table = self.kv.block_table(request.request_id)
             rows = 1 + len(s.draft_token_ids)
@@ -64,9 +64,9 @@ class ModelRunner:
                 seq_lens.extend(range(start + 1, end + 1))
             else:
                 block_tables.append(table)
-                query_lens.append(s.num_new_tokens)
+                query_lens.append(s.num_scheduled_tokens)
                 seq_lens.append(end)
-            if end - len(s.draft_token_ids) == request.num_tokens:
+            if start + s.num_new_tokens == request.num_tokens:
                 logits_rows.extend(range(len(input_ids) - rows, len(input_ids)))
                 sampled.append((i, rows))
         meta = AttentionMetadata.build(block_tables, query_lens, seq_lens, self.kv.block_size)

@@ -8,6 +8,11 @@ a long prompt; a long prompt is simply cut into chunks over several steps.
 When the pool runs out of blocks, the most recently admitted running request is preempted: its blocks are
 freed and it goes back to the front of the waiting queue. Its full blocks keep their prefix-cache keys, so
 recomputing it later is mostly cache hits.
+
+The scheduler owns every step transition of a request (vLLM v1's ``update_from_output``): after the model
+ran, it advances ``num_computed_tokens``, verifies drafts, appends the sampled tokens, applies the
+token-level stops (EOS, stop token ids, max_tokens, max_model_len) and frees what finished. Text-level
+stops (stop strings) are the output processor's, which asks for them with ``finish_requests``.
 """
 
 from __future__ import annotations
@@ -17,9 +22,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedkv.engine import speculative
-from pagedkv.engine.request import Request, RequestStatus
-from pagedkv.kv.hashing import BlockKey, extend_block_keys
-from pagedkv.kv.manager import KVCacheManager
+from pagedkv.engine.request import CoreOutput, Request, RequestStatus
+from pagedkv.kv.hashing import BlockKey
+from pagedkv.kv.manager import KVCacheManager, PrefixHit
+from pagedkv.sampler import SamplerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -27,18 +33,23 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int  # known tokens to compute, plus the drafts
+    num_new_tokens: int  # known tokens to compute this step (a decode: 1)
     draft_token_ids: list[int] = field(default_factory=list)  # guessed next tokens, run after the last one
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Rows this request puts into the step: its new tokens and its drafts."""
+        return self.num_new_tokens + len(self.draft_token_ids)
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest]  # decodes (one new token, maybe with drafts) first, then prefill chunks
+    scheduled: list[ScheduledRequest]  # in scheduling order; the runner orders rows for attention
     num_preempted: int
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_scheduled_tokens for s in self.scheduled)
 
 
 class Scheduler:
@@ -49,29 +60,37 @@ class Scheduler:
         max_num_batched_tokens: int,
         num_speculative_tokens: int = 0,
         max_model_len: int | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.kv = kv
+        self.eos_token_ids = eos_token_ids
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.num_preemptions = 0
+        self.counters = dict.fromkeys(
+            (
+                "prompt_tokens_computed",
+                "generation_tokens",
+                "requests_finished",
+                "requests_failed",
+                "draft_tokens",
+                "draft_tokens_accepted",
+            ),
+            0,
+        )
 
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def add(self, request: Request) -> None:
-        self.extend_keys(request, request.num_tokens // self.kv.block_size)
+        self.requests[request.request_id] = request
         self.waiting.append(request)
-
-    def extend_keys(self, request: Request, num_full_blocks: int) -> None:
-        """Key the request's first ``num_full_blocks`` blocks (only the ones not keyed yet are hashed)."""
-        if self.kv.enable_prefix_caching and num_full_blocks > len(request.block_keys):
-            tokens = request.token_ids[: num_full_blocks * self.kv.block_size]
-            extend_block_keys(request.block_keys, tokens, self.kv.block_size, request.cache_salt)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -83,22 +102,26 @@ class Scheduler:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             drafts = self._drafts(request, min(draft_len, budget - 1)) if num_new == 1 and draft_len else []
-            if drafts and not self.kv.allocate(request.request_id, request.num_tokens + len(drafts)):
+            if drafts and not self._allocate(request, request.num_tokens + len(drafts)):
                 drafts = []  # a guess never preempts anyone
-            while not self.kv.allocate(request.request_id, request.num_computed_tokens + num_new):
+            while not self._allocate(request, request.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted += 1
                 if victim is request:
                     break
             else:
-                scheduled.append(ScheduledRequest(request, num_new + len(drafts), drafts))
+                scheduled.append(ScheduledRequest(request, num_new, drafts))
                 budget -= num_new + len(drafts)
                 i += 1
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
-        scheduled.sort(key=lambda s: s.num_new_tokens != 1 and not s.draft_token_ids)
+        scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         return SchedulerOutput(scheduled, preempted)
+
+    def _allocate(self, request: Request, num_tokens: int, prefix: PrefixHit | None = None) -> bool:
+        """Blocks for ``num_tokens``; the KV manager first caches the blocks full of computed tokens."""
+        return self.kv.allocate(request.request_id, num_tokens, prefix, request.block_keys, request.num_computed_tokens)
 
     def _draft_length(self) -> int:
         """Drafts per decoding request this step: all of ``num_speculative_tokens`` while the step's decode
@@ -137,7 +160,7 @@ class Scheduler:
                 deferred.append(request)
                 continue
             num_new = min(request.num_tokens - hit.num_tokens, budget)
-            if not self.kv.allocate(request.request_id, hit.num_tokens + num_new, prefix=hit):
+            if not self._allocate(request, hit.num_tokens + num_new, prefix=hit):
                 self.waiting.appendleft(request)
                 break
             if request.num_cached_tokens is None:
@@ -167,19 +190,124 @@ class Scheduler:
         return keys
 
     def _preempt(self, request: Request) -> None:
-        self.kv.free(request.request_id)
+        self.kv.free(request.request_id, request.block_keys, request.num_computed_tokens)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         self.waiting.appendleft(request)
         self.num_preemptions += 1
         logger.debug("preempted %s (pool out of blocks)", request.request_id)
 
+    # -- after the model ran ----------------------------------------------------------------------------
+
+    def update_from_output(
+        self,
+        step: SchedulerOutput,
+        sampled: list[tuple[int, int]],
+        out: SamplerOutput,
+        failed: set[str] = frozenset(),
+    ) -> list[CoreOutput]:
+        """Advance every scheduled request by what the step computed and sampled; one CoreOutput each.
+
+        ``sampled``: ``(index in step.scheduled, rows)`` of the requests that got logits rows, in row order
+        (``rows`` is 1 + drafts). ``failed``: ids whose rows could not be sampled. A request whose update
+        raises is stopped with "error" alone; the others go on.
+        """
+        rows_of: dict[int, tuple[int, int]] = {}
+        row = 0
+        for i, n in sampled:
+            rows_of[i] = (row, n)
+            row += n
+        outputs = []
+        for i, s in enumerate(step.scheduled):
+            request = s.request
+            if request.is_finished:
+                continue
+            try:
+                if request.request_id in failed:
+                    raise RuntimeError("sampling failed")
+                outputs.append(self._advance(s, rows_of.get(i), out))
+            except Exception:
+                logger.exception("request %s failed; stopping it", request.request_id)
+                outputs.append(self.fail(request))
+        return outputs
+
+    def _advance(self, s: ScheduledRequest, rows: tuple[int, int] | None, out: SamplerOutput) -> CoreOutput:
+        """Count the step's computed tokens; with logits rows, keep the verified drafts and the new token.
+
+        A step computed K/V for the last token and every draft, but only the accepted drafts' entries are
+        right (a rejected draft was not the real token): those count as computed, and the wrong slots are
+        simply overwritten later. Tokens are appended one by one, so a token-level stop ends the run.
+        """
+        request = s.request
+        start = request.num_computed_tokens
+        request.num_computed_tokens += s.num_new_tokens
+        self.counters["prompt_tokens_computed"] += max(
+            0, min(request.num_prompt_tokens, request.num_computed_tokens) - start
+        )
+        if rows is None:
+            return CoreOutput.of(request, [])  # a prefill chunk with more to come
+        first, n = rows
+        chosen = out.token_ids[first : first + n]
+        accepted = speculative.accepted_length(s.draft_token_ids, chosen)
+        self.counters["draft_tokens"] += len(s.draft_token_ids)
+        self.counters["draft_tokens_accepted"] += accepted
+        request.num_computed_tokens += accepted
+        new: list[int] = []
+        for token in chosen[: accepted + 1]:
+            request.append_tokens([token])
+            new.append(token)
+            if self._check_stop(request, token):
+                break
+        self.counters["generation_tokens"] += len(new)
+        core = CoreOutput.of(request, new)
+        if request.params.logprobs is not None and out.logprobs is not None:
+            core.logprobs = out.logprobs[first : first + len(new)]
+            core.top_logprobs = [t or [] for t in out.top_logprobs[first : first + len(new)]]
+        return core
+
+    def _check_stop(self, request: Request, token: int) -> bool:
+        """EOS, a stop token id (after min_tokens), max_tokens or max_model_len: finish, and say so."""
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens:
+            if token in self.eos_token_ids and not params.ignore_eos:
+                self.finish(request, "stop")
+                return True
+            if token in params.stop_token_id_set:
+                self.finish(request, "stop", token)
+                return True
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            self.finish(request, "length")
+            return True
+        if self.max_model_len is not None and request.num_tokens >= self.max_model_len:
+            self.finish(request, "length")
+            return True
+        return False
+
+    def fail(self, request: Request) -> CoreOutput:
+        """Stop a request with finish_reason "error" (its blocks freed); the CoreOutput reports it."""
+        self.finish(request, "error")
+        return CoreOutput.of(request, [])
+
+    def finish_requests(self, request_ids: list[str], reason: str, stop_reason: str | int | None = None) -> None:
+        """Finish these requests (if still unfinished), e.g. on abort or a stop string; unknown ids are ignored."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self.finish(request, reason, stop_reason)
+
     def finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
-        """Mark finished and give its blocks back (full blocks stay cached for later hits)."""
+        """Mark finished and give its blocks back (its computed full blocks are cached for later hits)."""
+        if request.is_finished:
+            return
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
-        self.kv.free(request.request_id)
+        self.kv.free(request.request_id, request.block_keys, request.num_computed_tokens)
+        self.requests.pop(request.request_id, None)
+        if reason in ("stop", "length"):
+            self.counters["requests_finished"] += 1
+        elif reason == "error":
+            self.counters["requests_failed"] += 1
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

@@ -1,9 +1,11 @@
 """KVCacheManager: per-request block tables on top of the BlockPool, with automatic prefix caching.
 
 The scheduler's view of the KV cache: look up how much of a prompt is already cached, give a request the
-blocks for its next tokens (all or nothing), register blocks once they are full, and free a request's
-blocks when it finishes or is preempted. Block keys come from `pagedkv.kv.hashing`; this class never
-hashes tokens itself, so the request can key each block once and reuse the keys every step.
+blocks for its next tokens (all or nothing), and free a request's blocks when it finishes or is preempted.
+Caching is the manager's own business: whenever a request allocates or frees, its blocks that are full of
+computed tokens are registered under their keys first -- computed means verified, so a block holding a
+speculative draft's K/V is never cached. Block keys come from the request (`pagedkv.kv.hashing`); this
+class never hashes tokens itself, so each block is keyed once and the keys are reused every step.
 """
 
 from __future__ import annotations
@@ -72,14 +74,23 @@ class KVCacheManager:
         ref_count = self.pool.ref_count
         return new + sum(1 for block_id in prefix.block_ids if ref_count(block_id) == 0)
 
-    def allocate(self, request_id: str, num_tokens: int, prefix: PrefixHit | None = None) -> bool:
-        """Make the request's block table cover positions [0, num_tokens); False changes nothing at all.
+    def allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        prefix: PrefixHit | None = None,
+        block_keys: Sequence[BlockKey] = (),
+        num_computed_tokens: int = 0,
+    ) -> bool:
+        """Make the request's block table cover positions [0, num_tokens); False changes no allocation.
 
         `prefix` (from `find_cached_prefix`, same step) is only accepted on the request's first call; its
-        blocks become the head of the table before any new block is taken.
+        blocks become the head of the table before any new block is taken. First, the request's blocks full
+        of its `num_computed_tokens` are cached under `block_keys` (whether or not the allocation succeeds).
         """
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        self._cache_computed(request_id, block_keys, num_computed_tokens)
         is_new = request_id not in self._tables
         if prefix is not None:
             self._check_prefix(request_id, is_new, num_tokens, prefix)
@@ -132,8 +143,17 @@ class KVCacheManager:
             self.pool.cache(table[i], block_keys[i])
         self._num_keyed[request_id] = max(start, num_full_blocks)
 
-    def free(self, request_id: str) -> None:
-        """Release the request's blocks, last block first, so its tail is evicted before its shared head."""
+    def _cache_computed(self, request_id: str, block_keys: Sequence[BlockKey], num_computed_tokens: int) -> None:
+        table = self._tables.get(request_id)
+        if table and block_keys:
+            num_full = min(num_computed_tokens // self.block_size, len(table), len(block_keys))
+            if num_full > self._num_keyed[request_id]:
+                self.cache_full_blocks(request_id, block_keys, num_full)
+
+    def free(self, request_id: str, block_keys: Sequence[BlockKey] = (), num_computed_tokens: int = 0) -> None:
+        """Release the request's blocks, last block first, so its tail is evicted before its shared head;
+        its blocks full of computed tokens are cached under `block_keys` first, for later hits."""
+        self._cache_computed(request_id, block_keys, num_computed_tokens)
         table = self._tables.pop(request_id, None)
         self._num_keyed.pop(request_id, None)
         if table:
