@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from pagedkv.errors import InvalidParameter
+
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows to inf/nan, and the
 # distribution is a point mass on the argmax for all practical purposes anyway (vLLM uses the same cut).
 SAMPLING_EPS = 1e-5
@@ -43,9 +45,9 @@ def _is_int(value: object) -> bool:
 def _check_range(name: str, value: float, lo: float, hi: float, *, hint: str = "") -> None:
     """Raise unless lo <= value <= hi; NaN fails every comparison, so it fails too. hint ends the message."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise InvalidParameter(name, f"{name} must be a number, got {value!r}")
     if not lo <= value <= hi:
-        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value!r}" + (f" ({hint})" if hint else ""))
+        raise InvalidParameter(name, f"{name} must be in [{lo}, {hi}], got {value!r}" + (f" ({hint})" if hint else ""))
 
 
 @dataclass(slots=True)
@@ -94,29 +96,34 @@ class SamplingParams:
         self._validate_penalties()
         self._validate_stops()
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(
+            raise InvalidParameter(
+                "logprobs",
                 f"logprobs must be None or an int in [0, {MAX_LOGPROBS}] (0 = only the sampled token), "
-                f"got {self.logprobs!r}"
+                f"got {self.logprobs!r}",
             )
         if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed < 2**64):
-            raise ValueError(f"seed must be None or an int in [-2**63, 2**64) (torch's), got {self.seed!r}")
+            raise InvalidParameter(
+                "seed", f"seed must be None or an int in [-2**63, 2**64) (torch's), got {self.seed!r}"
+            )
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise InvalidParameter(name, f"{name} must be a bool, got {getattr(self, name)!r}")
 
     def _validate_counts(self) -> None:
         if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+            raise InvalidParameter("n", f"n must be an int >= 1, got {self.n!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(
-                f"max_tokens must be an int >= 1 (or None to generate until max_model_len), got {self.max_tokens!r}"
+            raise InvalidParameter(
+                "max_tokens",
+                f"max_tokens must be an int >= 1 (or None to generate until max_model_len), got {self.max_tokens!r}",
             )
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+            raise InvalidParameter("min_tokens", f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
+            raise InvalidParameter(
+                "min_tokens",
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}; "
-                "raise max_tokens or lower min_tokens"
+                "raise max_tokens or lower min_tokens",
             )
 
     def _validate_distribution(self) -> None:
@@ -129,14 +136,15 @@ class SamplingParams:
             hint=f"below {TOP_P_MIN} the nucleus is the most likely token alone: use temperature=0 or top_k=1",
         )
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be an int: -1 or 0 (disabled) or >= 1, got {self.top_k!r}")
+            raise InvalidParameter("top_k", f"top_k must be an int: -1 or 0 (disabled) or >= 1, got {self.top_k!r}")
         if self.top_k == -1:
             self.top_k = 0
         _check_range("min_p", self.min_p, 0.0, 1.0)
         if 0.0 < self.min_p < MIN_P_MIN:
-            raise ValueError(
+            raise InvalidParameter(
+                "min_p",
                 f"min_p must be 0 or in [{MIN_P_MIN}, 1.0] (a normal float32; smaller is 0 to the sampler), "
-                f"got {self.min_p!r}"
+                f"got {self.min_p!r}",
             )
 
     def _validate_penalties(self) -> None:
@@ -154,11 +162,15 @@ class SamplingParams:
             self.stop = list(self.stop)
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {s!r} in it")
+                raise InvalidParameter(
+                    "stop", f"stop must be a non-empty string or a list of non-empty strings, got {s!r} in it"
+                )
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         for t in self.stop_token_ids:
             if not _is_int(t) or not 0 <= t < TOKEN_ID_LIMIT:
-                raise ValueError(f"stop_token_ids must hold ints in [0, 2**63) (int64 token ids), got {t!r} in it")
+                raise InvalidParameter(
+                    "stop_token_ids", f"stop_token_ids must hold ints in [0, 2**63) (int64 token ids), got {t!r} in it"
+                )
         self.stop_token_id_set = frozenset(self.stop_token_ids)
 
     def verify_for_model(self, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
@@ -172,11 +184,12 @@ class SamplingParams:
         masked = self.stop_token_id_set if self.ignore_eos else self.stop_token_id_set.union(eos_token_ids)
         if len(masked) >= vocab_size and sum(1 for t in masked if 0 <= t < vocab_size) == vocab_size:
             eos = "" if self.ignore_eos else " (with EOS)"
-            raise ValueError(
+            raise InvalidParameter(
+                "stop_token_ids",
                 f"stop_token_ids must leave one of the model's {vocab_size} token ids to sample while min_tokens "
                 f"({self.min_tokens}) is > 0, but{eos} they cover all of them; remove some stop_token_ids"
                 + ("" if self.ignore_eos else ", set ignore_eos=True")
-                + " or set min_tokens=0"
+                + " or set min_tokens=0",
             )
 
     @property

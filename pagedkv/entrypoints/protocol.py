@@ -10,7 +10,6 @@ only checks types, so every range rule lives in one place.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -224,19 +223,15 @@ def sampling_params(kwargs: dict[str, Any], renames: dict[str, str] | None = Non
         raise value_error(exc, renames) from exc
 
 
-_FIELD_RE = re.compile(r"^(\w+) must")
-
-
 def value_error(exc: ValueError, renames: dict[str, str] | None = None, prompt_param: str = "prompt") -> APIError:
-    """Turn a SamplingParams / engine ValueError into a 400 that names the request field at fault."""
-    message = str(exc)
-    match = _FIELD_RE.match(message)
-    if match:
-        param = (renames or {}).get(match.group(1), match.group(1))
-    elif "max_tokens" in message:
-        param = (renames or {}).get("max_tokens", "max_tokens")
-    elif "prompt" in message:
+    """Turn a SamplingParams / engine ValueError into a 400 that names the request field at fault.
+
+    ``InvalidParameter.param`` names it; ``renames`` maps it to this endpoint's name for the field (chat's
+    ``max_completion_tokens``), and the engine's "prompt" is the chat endpoint's ``messages``.
+    """
+    param = getattr(exc, "param", None)
+    if param == "prompt":
         param = prompt_param
-    else:
-        param = None
-    return APIError(400, message, param=param)
+    elif param is not None:
+        param = (renames or {}).get(param, param)
+    return APIError(400, str(exc), param=param)
