@@ -125,8 +125,8 @@ def assert_idle(app) -> None:
     before = engine_thread_cpu_s(app)
     time.sleep(1.0)
     busy = engine_thread_cpu_s(app) - before
-    assert busy < 0.2, f"the engine thread is busy with nothing to do: {busy} s, groups {list(engine.groups)}"
-    assert not engine.groups  # read after the thread went to sleep: no race
+    assert busy < 0.2, f"the engine thread is busy with nothing to do: {busy} s, groups {list(engine.processor.groups)}"
+    assert not engine.processor.groups  # read after the thread went to sleep: no race
 
 
 def test_hostile_bodies_are_refused_while_a_victim_streams(server, victim_reference):

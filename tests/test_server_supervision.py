@@ -77,7 +77,7 @@ def test_engine_thread_death_fails_requests_and_exits_non_zero(engine, monkeypat
     error = json.loads(lines[-2].removeprefix("data: "))["error"]
     assert error["code"] == "server_shutting_down" and "InjectedDeath" in error["message"]
     assert seen["health"] in (503, "closed")
-    for group_id in list(engine.groups):  # the dead thread could not clean up; the next test needs the engine
+    for group_id in list(engine.processor.groups):  # the dead thread could not clean up; the next test needs the engine
         engine.abort(group_id)
 
 

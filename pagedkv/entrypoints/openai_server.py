@@ -31,11 +31,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedkv.entrypoints.async_engine import AsyncEngine
+from pagedkv.engine.async_client import AsyncEngine
+from pagedkv.engine.metrics import ServerMetrics
 from pagedkv.entrypoints.limits import ServerLimits
 from pagedkv.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from pagedkv.entrypoints.responses import ModelCard, ModelList
-from pagedkv.entrypoints.server_metrics import ServerMetrics
 from pagedkv.entrypoints.serving import ServingContext
 from pagedkv.entrypoints.serving_chat import create_chat_completion
 from pagedkv.entrypoints.serving_completions import create_completion

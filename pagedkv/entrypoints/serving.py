@@ -15,8 +15,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from pagedkv.engine.request import CompletionOutput, RequestOutput
-from pagedkv.entrypoints.async_engine import (
+from pagedkv.engine.async_client import (
     AsyncEngine,
     EngineOverloaded,
     EnginePrompt,
@@ -24,6 +23,7 @@ from pagedkv.entrypoints.async_engine import (
     RequestFailed,
     RequestStream,
 )
+from pagedkv.engine.request import CompletionOutput, RequestOutput
 from pagedkv.entrypoints.limits import ServerLimits
 from pagedkv.entrypoints.protocol import APIError, value_error
 from pagedkv.entrypoints.responses import (

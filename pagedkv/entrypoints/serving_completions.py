@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pagedkv.entrypoints.async_engine import EnginePrompt, RequestStream
+from pagedkv.engine.async_client import EnginePrompt, RequestStream
 from pagedkv.entrypoints.protocol import APIError, CompletionRequest
 from pagedkv.entrypoints.responses import CompletionChoice, CompletionResponse
 from pagedkv.entrypoints.serving import (

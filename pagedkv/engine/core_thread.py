@@ -58,7 +58,8 @@ class AbortCommand:
 
 class EngineThread:
     """Runs the engine. On ``loop``: ``on_outputs(outputs)`` after each step, ``on_failure(engine_ids, error)``
-    when requests were stopped without an output, ``on_death(error)`` once if the thread dies."""
+    when requests were stopped without an output, ``on_death(error)`` once if the thread dies. On this
+    thread: ``publish_stats(snapshot)`` after each step and whenever it goes idle."""
 
     def __init__(
         self,
@@ -67,9 +68,10 @@ class EngineThread:
         on_outputs: Callable[[list[RequestOutput]], None],
         on_failure: Callable[[list[str], BaseException], None],
         on_death: Callable[[BaseException], None],
+        publish_stats: Callable[[dict[str, float]], None],
     ) -> None:
         self.engine = engine
-        self.stats: dict[str, float] = engine.stats()
+        self._publish_stats = publish_stats  # called on this thread: a plain assignment, no loop hop
         self._loop = loop
         self._on_outputs = on_outputs
         self._on_failure = on_failure
@@ -79,7 +81,6 @@ class EngineThread:
         self._wake = threading.Event()
         self._stopping = False
         self._dead = False
-        self._live: set[str] = set()  # engine requests added and not yet finished; engine thread only
         self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
 
     def start(self) -> None:
@@ -133,7 +134,7 @@ class EngineThread:
                 self._abort_all()
                 return
             if not self.engine.has_unfinished_requests():
-                self.stats = self.engine.stats()
+                self._publish_stats(self.engine.stats())
                 self._wake.wait()
                 self._wake.clear()
                 continue
@@ -142,30 +143,26 @@ class EngineThread:
             except Exception:
                 # The engine stops a failing request (or a failing model step's requests) itself; an
                 # exception that still escapes means its state cannot be trusted: stop everything live.
-                logger.exception("engine step failed; aborting %d requests", len(self._live))
-                failed = list(self._live)
-                self._abort_all()
+                failed = self._abort_all()
+                logger.exception("engine step failed; aborted %d requests", len(failed))
                 self._post(self._on_failure, failed, RequestFailed(INTERNAL_ERROR))
                 continue
-            for output in outputs:
-                if output.finished:
-                    self._live.discard(output.request_id)
             if outputs:
                 self._post(self._on_outputs, outputs)
-            self.stats = self.engine.stats()
+            self._publish_stats(self.engine.stats())
 
-    def _abort_all(self) -> None:
-        for engine_id in self._live:
+    def _abort_all(self) -> list[str]:
+        """Abort every request the engine holds (the engine's registry is the only one); their ids."""
+        live = list(self.engine.processor.groups)
+        for engine_id in live:
             self.engine.abort(engine_id)
-        self._live.clear()
-        self.stats = self.engine.stats()
+        self._publish_stats(self.engine.stats())
+        return live
 
     def _apply(self, command: AddCommand | AbortCommand) -> None:
         if isinstance(command, AbortCommand):
             for engine_id in command.engine_ids:
-                if engine_id in self._live:
-                    self._live.discard(engine_id)
-                    self.engine.abort(engine_id)
+                self.engine.abort(engine_id)  # False (a no-op) if it finished meanwhile
             return
         added: list[str] = []
         try:
@@ -186,7 +183,6 @@ class EngineThread:
                 exc = RequestFailed(INTERNAL_ERROR)
             self._post(_settle, command.future, exc)
             return
-        self._live.update(added)
         self._post(_settle, command.future, None)
 
 

@@ -19,10 +19,10 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
+from pagedkv.engine.core_thread import AbortCommand, AddCommand, EngineStopped, EngineThread, RequestFailed
+from pagedkv.engine.metrics import ServerMetrics
 from pagedkv.engine.request import CompletionOutput, OutputKind, RequestOutput
-from pagedkv.entrypoints.engine_thread import AbortCommand, AddCommand, EngineStopped, EngineThread, RequestFailed
-from pagedkv.entrypoints.server_metrics import ServerMetrics
-from pagedkv.entrypoints.tokenizer_worker import EnginePrompt, TokenizerWorker
+from pagedkv.engine.tokenizer_worker import EnginePrompt, TokenizerWorker
 from pagedkv.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -135,14 +135,14 @@ class AsyncEngine:
         self.on_death: Callable[[], None] | None = None
         self._thread: EngineThread | None = None
         self._accepting = False
-        self._routes: dict[str, tuple[RequestStream, int]] = {}
+        self._routes: dict[str, tuple[RequestStream, int]] = {}  # the client's one registry of live requests
         self._num_sequences = 0
-        self._idle_stats = engine.stats()
+        self._stats = engine.stats()  # the one snapshot: replaced by the engine thread after every step
 
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will consume the outputs."""
         loop = asyncio.get_running_loop()
-        self._thread = EngineThread(self.engine, loop, self._deliver, self._fail, self._died)
+        self._thread = EngineThread(self.engine, loop, self._deliver, self._fail, self._died, self._set_stats)
         self._thread.start()
         self._accepting = True
 
@@ -157,7 +157,6 @@ class AsyncEngine:
             await asyncio.sleep(0.05)
         if not await asyncio.to_thread(self._thread.stop, timeout_s):
             logger.warning("the engine thread did not stop within %.0f s", timeout_s)
-        self._idle_stats = self._thread.stats
         self._thread = None
         self.tokenizer.close()
         self._fail(list(self._routes), EngineStopped("the server is shutting down"))
@@ -178,7 +177,10 @@ class AsyncEngine:
 
     def stats(self) -> dict[str, float]:
         """The engine's counters as of its latest step."""
-        return dict(self._thread.stats if self._thread is not None else self._idle_stats)
+        return dict(self._stats)
+
+    def _set_stats(self, stats: dict[str, float]) -> None:
+        self._stats = stats
 
     async def add(
         self,
