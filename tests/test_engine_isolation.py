@@ -46,7 +46,7 @@ def run_with_victim(llm: LLM) -> list:
 
 
 def test_a_sampler_fault_fails_only_its_request(llm, reference, monkeypatch):
-    real = llm.engine.sampler
+    real = llm.engine.core.sampler
 
     class FaultySampler:
         def __call__(self, logits, params, *args):
@@ -54,7 +54,7 @@ def test_a_sampler_fault_fails_only_its_request(llm, reference, monkeypatch):
                 raise RuntimeError("injected sampler fault")
             return real(logits, params, *args)
 
-    monkeypatch.setattr(llm.engine, "sampler", FaultySampler())
+    monkeypatch.setattr(llm.engine.core, "sampler", FaultySampler())
     outs = run_with_victim(llm)
     assert [o.token_ids for o in outs[:3]] == reference
     assert outs[3].finish_reason == "error" and outs[3].error == INTERNAL_ERROR

@@ -38,7 +38,7 @@ def free_port() -> int:
 
 
 def test_engine_thread_death_fails_requests_and_exits_non_zero(engine, monkeypatch):
-    real_step = engine.step
+    real_step = engine.core.step
     calls = {"n": 0}
 
     def step():
@@ -47,7 +47,7 @@ def test_engine_thread_death_fails_requests_and_exits_non_zero(engine, monkeypat
             raise InjectedDeath
         return real_step()
 
-    monkeypatch.setattr(engine, "step", step)
+    monkeypatch.setattr(engine.core, "step", step)
     app = build_app(engine, "smol")
     port = free_port()
     server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -68,7 +68,10 @@ def test_engine_thread_death_fails_requests_and_exits_non_zero(engine, monkeypat
 
     thread = threading.Thread(target=client)
     thread.start()
+    watchdog = threading.Timer(60, lambda: setattr(server, "should_exit", True))  # fail, never hang
+    watchdog.start()
     code = run_server(server)  # returns once the server shut itself down
+    watchdog.cancel()
     thread.join(30)
     assert code == 1
     assert app.state.async_engine.failed and not app.state.async_engine.is_running
@@ -110,4 +113,4 @@ def test_the_tokenizer_is_used_by_one_thread_per_object(engine):
         for name in ("encode", "apply_chat_template", "decode"):
             vars(engine.tokenizer).pop(name, None)
     assert threads["worker"] == {"pagedkv-tokenizer_0"}  # prompts and the logprob token table
-    assert threads["engine"] <= {"pagedkv-engine"}  # the engine's own tokenizer: detokenizing only
+    assert threads["engine"] == set()  # the engine's own tokenizer is for offline use only

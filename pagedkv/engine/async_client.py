@@ -1,10 +1,12 @@
 """AsyncEngine: the event-loop side of the server's engine -- admission, per-request streams, metrics.
 
-Handlers ``await add(...)`` to queue an API request's prompts and get a RequestStream back: the prompts
-are tokenized on the TokenizerWorker, then handed to the EngineThread, which runs the engine and passes
-each step's outputs to ``_deliver`` here, which routes them to their streams. Requests of all clients share
-the engine, so they are batched together for free. The routing table, the streams and the metrics are
-touched only on the loop, so none of it needs a lock.
+Three threads, each with one job. Handlers ``await add(...)`` on the event loop; the TokenizerWorker
+tokenizes the prompts and builds the requests; the EngineThread runs the EngineCore and hands each step's
+token ids back to the worker, which detokenizes them (while the next step runs) and passes the
+RequestOutputs to ``_deliver`` here, which routes them to their streams. A stop string the worker finds
+goes to the engine thread as a FinishCommand. Requests of all clients share the engine, so they are
+batched together for free. The routing table, the streams and the metrics are touched only on the loop,
+so none of it needs a lock.
 
 Streams carry deltas, and a stream holds at most one pending output per prompt: a new delta is merged into
 the one its reader has not taken yet. So a client that reads slowly costs memory in proportion to the text
@@ -19,9 +21,10 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
-from pagedkv.engine.core_thread import AbortCommand, AddCommand, EngineStopped, EngineThread, RequestFailed
+from pagedkv.engine.core_thread import AddCommand, EngineStopped, EngineThread, FinishCommand, RequestFailed
 from pagedkv.engine.metrics import ServerMetrics
-from pagedkv.engine.request import CompletionOutput, OutputKind, RequestOutput
+from pagedkv.engine.output_processor import Stop
+from pagedkv.engine.request import CompletionOutput, CoreOutput, OutputKind, Request, RequestOutput
 from pagedkv.engine.tokenizer_worker import EnginePrompt, TokenizerWorker
 from pagedkv.sampling import SamplingParams
 
@@ -45,11 +48,15 @@ class RequestStream:
     get deltas; others get each prompt's final output only.
     """
 
-    def __init__(self, owner: AsyncEngine, request_id: str, prompt_lens: list[int], n: int, stream: bool) -> None:
+    def __init__(
+        self, owner: AsyncEngine, request_id: str, group_ids: list[str], requests: list[list[Request]], stream: bool
+    ) -> None:
         self.request_id = request_id
-        self.engine_ids = [f"{request_id}-{i}" for i in range(len(prompt_lens))]
-        self.n = n
-        self.output_kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
+        self.engine_ids = group_ids  # one per prompt: the RequestOutput's request_id
+        self.sample_ids = [[r.request_id for r in prompt] for prompt in requests]  # the core's ids
+        self.n = len(requests[0])
+        prompt_lens = [prompt[0].num_prompt_tokens for prompt in requests]
+        self.output_kind = output_kind(stream)
         self.prompt_tokens = sum(prompt_lens)
         self.completion_tokens = 0
         self.cached_tokens: dict[int, int] = {}
@@ -125,12 +132,16 @@ def _merge_sample(a: CompletionOutput, b: CompletionOutput) -> None:
     a.finish_reason, a.stop_reason = b.finish_reason, b.stop_reason
 
 
+def output_kind(stream: bool) -> OutputKind:
+    return OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_queued_seqs: int | None = None) -> None:
         self.engine = engine
         self.max_queued_seqs = max_queued_seqs
         self.metrics = ServerMetrics(self.stats)
-        self.tokenizer = TokenizerWorker(engine.tokenizer)
+        self.tokenizer = TokenizerWorker(engine)
         self.failed = False  # the engine thread died: the server must exit (non-zero) to be restarted
         self.on_death: Callable[[], None] | None = None
         self._thread: EngineThread | None = None
@@ -141,10 +152,27 @@ class AsyncEngine:
 
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will consume the outputs."""
-        loop = asyncio.get_running_loop()
-        self._thread = EngineThread(self.engine, loop, self._deliver, self._fail, self._died, self._set_stats)
+        self._loop = asyncio.get_running_loop()
+        core = self.engine.core
+        self._thread = EngineThread(core, self._loop, self._on_core_outputs, self._fail, self._died, self._set_stats)
         self._thread.start()
         self._accepting = True
+
+    def _on_core_outputs(self, outputs: list[CoreOutput]) -> None:
+        """On the engine thread: hand a step's token ids to the worker and go on with the next step."""
+        self.tokenizer.process(outputs, self._processed)
+
+    def _processed(self, outputs: list[RequestOutput], stops: list[Stop]) -> None:
+        """On the worker: stop strings go to the engine thread, outputs to the loop."""
+        thread = self._thread
+        for stop in stops:
+            if thread is not None:
+                thread.submit(FinishCommand([stop.request_id], stop.reason, stop.stop_reason))
+        if outputs:
+            try:
+                self._loop.call_soon_threadsafe(self._deliver, outputs)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                logger.debug("event loop closed; dropped %d outputs", len(outputs))
 
     async def shutdown(self, drain_s: float = 0.0, timeout_s: float = 30.0) -> None:
         """Refuse new requests, give those in flight up to ``drain_s`` to finish, abort the rest, stop the
@@ -195,22 +223,26 @@ class AsyncEngine:
         Raises ValueError (bad input; nothing was queued), EngineOverloaded, EngineStopped or RequestFailed.
         """
         self._admit(len(prompts) * params.n)
-        token_lists = await self.tokenizer.tokenize(prompts)
-        self._admit(len(prompts) * params.n)  # tokenizing took time: look again before queueing
-        request = RequestStream(self, request_id, [len(t) for t in token_lists], params.n, stream)
+        group_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        requests = await self.tokenizer.prepare(group_ids, prompts, params, cache_salt, output_kind(stream))
+        try:
+            self._admit(len(prompts) * params.n)  # preparing took time: look again before queueing
+        except Exception:
+            self.tokenizer.abort(group_ids)
+            raise
+        request = RequestStream(self, request_id, group_ids, requests, stream)
         for index, engine_id in enumerate(request.engine_ids):
             self._routes[engine_id] = (request, index)
         self._num_sequences += request.num_sequences
         future = asyncio.get_running_loop().create_future()
-        command = AddCommand(request.engine_ids, token_lists, params, cache_salt, request.output_kind, future)
-        self._thread.submit(command)
+        self._thread.submit(AddCommand([r for prompt in requests for r in prompt], future))
         try:
             await future
         except asyncio.CancelledError:
             self._abort(request)  # the add may have happened already; the abort follows it in order
             raise
         except BaseException:
-            self._forget(request, list(request.unfinished))
+            self._stop(request, list(request.unfinished))
             raise
         self.metrics.prompt_tokens.inc(request.prompt_tokens)
         return request
@@ -233,16 +265,22 @@ class AsyncEngine:
                 stream.unfinished.discard(index)
                 self._num_sequences -= stream.n
 
+    def _stop(self, stream: RequestStream, indices: list[int]) -> None:
+        """Stop these prompts of ``stream`` everywhere: the routing table, the worker and the engine thread."""
+        indices = [i for i in sorted(indices) if i in stream.unfinished]
+        self._forget(stream, indices)
+        if indices:
+            self.tokenizer.abort([stream.engine_ids[i] for i in indices])
+            if self._thread is not None:
+                self._thread.submit(FinishCommand([rid for i in indices for rid in stream.sample_ids[i]]))
+
     def _abort(self, stream: RequestStream) -> None:
         if stream.finished:
             return
-        engine_ids = [stream.engine_ids[i] for i in sorted(stream.unfinished)]
-        self.metrics.requests.labels(finish_reason="abort").inc(len(engine_ids) * stream.n)
-        self._forget(stream, list(stream.unfinished))
+        self.metrics.requests.labels(finish_reason="abort").inc(len(stream.unfinished) * stream.n)
+        self._stop(stream, list(stream.unfinished))
         stream.aborted = True
         stream.close()
-        if self._thread is not None:
-            self._thread.submit(AbortCommand(engine_ids))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Route one step's outputs to their streams."""
@@ -255,10 +293,7 @@ class AsyncEngine:
             self._observe(stream, index, output, now)
             if output.error is not None:  # the engine stopped it: the API request fails as a whole
                 self._forget(stream, [index])
-                rest = [stream.engine_ids[i] for i in sorted(stream.unfinished)]
-                self._forget(stream, list(stream.unfinished))
-                if rest and self._thread is not None:
-                    self._thread.submit(AbortCommand(rest))
+                self._stop(stream, list(stream.unfinished))
                 stream.close(RequestFailed(output.error))
                 continue
             stream.push(index, output)
@@ -281,7 +316,8 @@ class AsyncEngine:
                 self.metrics.requests.labels(finish_reason=sample.finish_reason or "abort").inc()
 
     def _fail(self, engine_ids: list[str], error: BaseException) -> None:
-        """End the streams of these engine requests with ``error``."""
+        """End the streams of these engine requests (stopped by the engine thread) with ``error``."""
+        self.tokenizer.abort(engine_ids)
         for engine_id in engine_ids:
             route = self._routes.get(engine_id)
             if route is None:

@@ -1,11 +1,12 @@
-"""EngineThread: the one thread that may touch the LLMEngine, and it does nothing but step it.
+"""EngineThread: the one thread that may touch the EngineCore, and it does nothing but step it.
 
-LLMEngine is not thread-safe, so everything that reads or changes it -- ``add_request``, ``step``, ``abort``
--- runs here. Prompts arrive already tokenized (the TokenizerWorker does that), so a huge prompt never stalls
-the step loop. Other threads hand commands over through a deque; between steps the thread drains them,
-then runs one step and passes the whole step's outputs to the event loop in one ``call_soon_threadsafe``.
-With nothing to do it sleeps on an Event instead of spinning. After every step it publishes a ``stats()``
-snapshot, so ``/metrics`` never calls the engine.
+The core (scheduler, KV cache, runner, sampler) is not thread-safe, so everything that reads or changes
+it -- adding requests, stepping, finishing requests -- runs here. Requests arrive tokenized, validated and
+built (on the TokenizerWorker), and each step's token-level outputs leave as they are: detokenizing them
+happens on the worker too, so a huge prompt or a slow detokenization never stalls the step loop. Other
+threads hand commands over through a deque; between steps the thread drains them, then runs one step and
+hands its ``CoreOutput``s to ``on_core_outputs``. With nothing to do it sleeps on an Event instead of
+spinning. After every step it publishes a ``stats()`` snapshot, so ``/metrics`` never calls the engine.
 
 Supervision: if the thread dies of anything (a ``BaseException`` included), it reports the death once, and
 every command still queued or submitted later has its future settled with EngineStopped -- nobody waits
@@ -22,11 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagedkv.engine.request import INTERNAL_ERROR, OutputKind, RequestOutput
-from pagedkv.sampling import SamplingParams
+from pagedkv.engine.request import INTERNAL_ERROR, CoreOutput, Request
 
 if TYPE_CHECKING:
-    from pagedkv.engine.engine import LLMEngine
+    from pagedkv.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -41,42 +41,43 @@ class RequestFailed(Exception):
 
 @dataclass(slots=True)
 class AddCommand:
-    """Add tokenized prompts as engine requests, all or none; ``future`` gets None or the error."""
+    """Queue built requests (all prompts of one API request); ``future`` gets None or the error."""
 
-    engine_ids: list[str]
-    token_lists: list[list[int]]
-    params: SamplingParams
-    cache_salt: str | None
-    output_kind: OutputKind
+    requests: list[Request]
     future: asyncio.Future
 
 
 @dataclass(slots=True)
-class AbortCommand:
-    engine_ids: list[str]
+class FinishCommand:
+    """Stop these core requests: an abort, or a stop string the output processor found."""
+
+    request_ids: list[str]
+    reason: str = "abort"
+    stop_reason: str | None = None
 
 
 class EngineThread:
-    """Runs the engine. On ``loop``: ``on_outputs(outputs)`` after each step, ``on_failure(engine_ids, error)``
-    when requests were stopped without an output, ``on_death(error)`` once if the thread dies. On this
-    thread: ``publish_stats(snapshot)`` after each step and whenever it goes idle."""
+    """Runs the core. On this thread: ``on_core_outputs(outputs)`` after each step and
+    ``publish_stats(snapshot)`` after each step and whenever it goes idle. On ``loop``:
+    ``on_failure(group_ids, error)`` when requests were stopped without an output, ``on_death(error)`` once
+    if the thread dies."""
 
     def __init__(
         self,
-        engine: LLMEngine,
+        core: EngineCore,
         loop: asyncio.AbstractEventLoop,
-        on_outputs: Callable[[list[RequestOutput]], None],
+        on_core_outputs: Callable[[list[CoreOutput]], None],
         on_failure: Callable[[list[str], BaseException], None],
         on_death: Callable[[BaseException], None],
         publish_stats: Callable[[dict[str, float]], None],
     ) -> None:
-        self.engine = engine
+        self.core = core
         self._publish_stats = publish_stats  # called on this thread: a plain assignment, no loop hop
         self._loop = loop
-        self._on_outputs = on_outputs
+        self._on_core_outputs = on_core_outputs
         self._on_failure = on_failure
         self._on_death = on_death
-        self._commands: deque[AddCommand | AbortCommand] = deque()
+        self._commands: deque[AddCommand | FinishCommand] = deque()
         self._lock = threading.Lock()  # orders submit() against the thread's death
         self._wake = threading.Event()
         self._stopping = False
@@ -90,7 +91,7 @@ class EngineThread:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping and not self._dead
 
-    def submit(self, command: AddCommand | AbortCommand) -> None:
+    def submit(self, command: AddCommand | FinishCommand) -> None:
         with self._lock:
             if not self._dead:
                 self._commands.append(command)
@@ -133,55 +134,41 @@ class EngineThread:
             if self._stopping:
                 self._abort_all()
                 return
-            if not self.engine.has_unfinished_requests():
-                self._publish_stats(self.engine.stats())
+            if not self.core.has_unfinished_requests():
+                self._publish_stats(self.core.stats())
                 self._wake.wait()
                 self._wake.clear()
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = self.core.step()
             except Exception:
-                # The engine stops a failing request (or a failing model step's requests) itself; an
+                # The core stops a failing request (or a failing model step's requests) itself; an
                 # exception that still escapes means its state cannot be trusted: stop everything live.
                 failed = self._abort_all()
                 logger.exception("engine step failed; aborted %d requests", len(failed))
                 self._post(self._on_failure, failed, RequestFailed(INTERNAL_ERROR))
                 continue
             if outputs:
-                self._post(self._on_outputs, outputs)
-            self._publish_stats(self.engine.stats())
+                self._on_core_outputs(outputs)
+            self._publish_stats(self.core.stats())
 
     def _abort_all(self) -> list[str]:
-        """Abort every request the engine holds (the engine's registry is the only one); their ids."""
-        live = list(self.engine.processor.groups)
-        for engine_id in live:
-            self.engine.abort(engine_id)
-        self._publish_stats(self.engine.stats())
-        return live
+        """Abort every request the core holds (its registry is the only one); the API requests' group ids."""
+        live = list(self.core.scheduler.requests.values())
+        self.core.finish([r.request_id for r in live], "abort")
+        self._publish_stats(self.core.stats())
+        return list(dict.fromkeys(r.group_id for r in live))
 
-    def _apply(self, command: AddCommand | AbortCommand) -> None:
-        if isinstance(command, AbortCommand):
-            for engine_id in command.engine_ids:
-                self.engine.abort(engine_id)  # False (a no-op) if it finished meanwhile
+    def _apply(self, command: AddCommand | FinishCommand) -> None:
+        if isinstance(command, FinishCommand):
+            self.core.finish(command.request_ids, command.reason, command.stop_reason)
             return
-        added: list[str] = []
         try:
-            for engine_id, token_ids in zip(command.engine_ids, command.token_lists, strict=True):
-                self.engine.add_request(
-                    engine_id,
-                    params=command.params,
-                    prompt_token_ids=token_ids,
-                    cache_salt=command.cache_salt,
-                    output_kind=command.output_kind,
-                )
-                added.append(engine_id)
-        except Exception as exc:
-            for engine_id in added:
-                self.engine.abort(engine_id)
-            if not isinstance(exc, ValueError):  # bad input is the client's to see; anything else is ours
-                logger.exception("adding request %s failed", command.engine_ids[0])
-                exc = RequestFailed(INTERNAL_ERROR)
-            self._post(_settle, command.future, exc)
+            self.core.add(command.requests)
+        except Exception:
+            logger.exception("adding requests failed")
+            self.core.finish([r.request_id for r in command.requests], "abort")
+            self._post(_settle, command.future, RequestFailed(INTERNAL_ERROR))
             return
         self._post(_settle, command.future, None)
 

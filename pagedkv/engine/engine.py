@@ -1,11 +1,12 @@
 """LLMEngine: add requests, run steps, stream outputs. The loop every entrypoint drives.
 
-One ``step()`` = ``Scheduler.schedule`` (which requests, how many tokens each) -> ``ModelRunner.execute``
-(the flat batch through the model) -> ``Sampler`` (one token per row that reached the end of its known
-tokens) -> ``Scheduler.update_from_output`` (advance, verify drafts, append, token-level stops, free) ->
-``OutputProcessor.process`` (detokenize, stop strings, the caller's RequestOutputs). Each piece of step state
-has one owner; this class only wires them and keeps a failure with the request it belongs to. Callers
-(``LLM``, the HTTP server) just call ``step()`` until nothing is left.
+One ``step()`` = ``EngineCore.step`` -- ``Scheduler.schedule`` (which requests, how many tokens each) ->
+``ModelRunner.execute`` (the flat batch through the model) -> ``Sampler`` (one token per row that reached
+the end of its known tokens) -> ``Scheduler.update_from_output`` (advance, verify drafts, append,
+token-level stops, free) -- then ``OutputProcessor.process`` (detokenize, stop strings, the caller's
+RequestOutputs). Each piece of step state has one owner; this class builds and validates requests and
+wires the pieces. ``LLM`` just calls ``step()`` until nothing is left; the server runs the core and the
+output processor on two threads (``pagedkv.engine.async_client``).
 """
 
 from __future__ import annotations
@@ -18,18 +19,19 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedkv.attention.backend import resolve_backend
+from pagedkv import kernels
+from pagedkv.attention.backend import select_backend
 from pagedkv.config import EngineConfig
+from pagedkv.engine.core import EngineCore
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.prompts import encode_text, render_chat
-from pagedkv.engine.request import CoreOutput, OutputKind, Request, RequestOutput
+from pagedkv.engine.request import OutputKind, Request, RequestOutput
 from pagedkv.engine.runner import ModelRunner, kv_block_bytes
-from pagedkv.engine.scheduler import ScheduledRequest, Scheduler
+from pagedkv.engine.scheduler import Scheduler
 from pagedkv.errors import InvalidParameter
 from pagedkv.kv.manager import KVCacheManager
-from pagedkv.model import panel
 from pagedkv.model.loader import load_model
-from pagedkv.sampler import Sampler, SamplerOutput, make_generator
+from pagedkv.sampler import Sampler, make_generator
 from pagedkv.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -39,9 +41,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
-        self.attention_backend = resolve_backend(config.attention_backend)
-        self.linear_backend = panel.resolve_backend(config.linear_backend)
-        loaded = load_model(config.model, config.dtype, self.attention_backend, self.linear_backend)
+        self.attention = select_backend(config.attention_backend)
+        self.kernels = kernels.use_kernels(config.kernels)
+        loaded = load_model(config.model, config.weight_format, self.attention, self.kernels)
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config
         self.model_path = loaded.path
@@ -61,16 +63,17 @@ class LLMEngine:
         )
         self.runner = ModelRunner(model, self.kv)
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
+        self.core = EngineCore(self.scheduler, self.runner, self.sampler)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         logger.info(
-            "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, attention %s, linear %s",
+            "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, attention %s, kernels %s",
             self.model_path,
             num_blocks,
             config.block_size,
             self.max_model_len,
-            self.attention_backend,
-            self.linear_backend,
+            self.attention.name,
+            self.kernels,
         )
 
     # -- requests -------------------------------------------------------------------------------------
@@ -90,12 +93,7 @@ class LLMEngine:
         cache_salt: str | None = None,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> str:
-        """Validate and queue a request, all or nothing: raises ValueError and changes nothing on bad input.
-
-        Everything that could fail for this request alone -- validation, the salt's encoding, hashing its
-        prompt blocks, the detokenizer's start -- happens before it is registered, so a request that cannot
-        run never becomes a half-added group that the engine would keep stepping.
-        """
+        """Validate and queue a request, all or nothing: raises ValueError and changes nothing on bad input."""
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.processor.groups:
@@ -104,6 +102,25 @@ class LLMEngine:
             if prompt is None:
                 raise InvalidParameter("prompt", "give a prompt or prompt_token_ids")
             prompt_token_ids = self.encode(prompt)
+        requests = self.make_requests(request_id, prompt_token_ids, params, cache_salt)
+        token_ids = requests[0].prompt_token_ids
+        self.processor.add(
+            self.processor.make_group(
+                request_id, [r.request_id for r in requests], prompt, token_ids, params, output_kind
+            )
+        )
+        self.core.add(requests)
+        return request_id
+
+    def make_requests(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, cache_salt: str | None
+    ) -> list[Request]:
+        """The n validated core requests of one prompt, not yet queued; raises InvalidParameter.
+
+        Everything that could fail for this request alone -- validation, the salt's encoding, hashing its
+        prompt blocks -- happens here, before anything is registered, so a request that cannot run never
+        becomes a half-added group. Reads only the engine's fixed settings, so any thread may call it.
+        """
         token_ids = _as_token_ids(prompt_token_ids)
         self._validate(token_ids, params, cache_salt)
         block_size = self.kv.block_size if self.kv.enable_prefix_caching else 0
@@ -123,13 +140,7 @@ class LLMEngine:
                     block_keys=list(requests[0].block_keys) if requests else [],  # n samples, one prompt
                 )
             )
-        group = self.processor.make_group(
-            request_id, [r.request_id for r in requests], prompt, token_ids, params, output_kind
-        )
-        self.processor.add(group)
-        for request in requests:
-            self.scheduler.add(request)
-        return request_id
+        return requests
 
     def _validate(self, token_ids: list[int], params: SamplingParams, cache_salt: str | None) -> None:
         if not isinstance(params, SamplingParams):
@@ -170,76 +181,18 @@ class LLMEngine:
         """Stop a request now and give its blocks back. False if it is unknown or already done."""
         if request_id not in self.processor.groups:
             return False
-        self.scheduler.finish_requests(self.processor.abort(request_id), "abort")
+        self.core.finish(self.processor.abort(request_id), "abort")
         return True
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.processor.groups)
 
-    # -- one step -------------------------------------------------------------------------------------
-
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns an output for every request that made progress.
-
-        Failures stay with their request: if the batched sampler raises, each request is sampled again on
-        its own and only the ones that still fail are stopped; the scheduler and the output processor stop
-        a request whose own update raises. Only the model call itself can fail a whole step, and then just
-        the requests scheduled in it are stopped, their blocks freed.
-        """
-        step = self.scheduler.schedule()
-        if not step.scheduled:
-            return []
-        try:
-            logits, sampled = self.runner.execute(step)
-        except Exception:
-            logger.exception("the model step failed; stopping the %d requests scheduled in it", len(step.scheduled))
-            return self._process([self.scheduler.fail(s.request) for s in step.scheduled])
-        out, failed = self._sample(logits, [(step.scheduled[i], n) for i, n in sampled])
-        return self._process(self.scheduler.update_from_output(step, sampled, out, failed))
-
-    def _process(self, core_outputs: list[CoreOutput]) -> list[RequestOutput]:
-        outputs, stops = self.processor.process(core_outputs)
+        """Run one engine step; returns an output for every request that made progress."""
+        outputs, stops = self.processor.process(self.core.step())
         for stop in stops:
-            self.scheduler.finish_requests([stop.request_id], stop.reason, stop.stop_reason)
+            self.core.finish([stop.request_id], stop.reason, stop.stop_reason)
         return outputs
-
-    def _sample(self, logits: torch.Tensor, rows: list[tuple[ScheduledRequest, int]]) -> tuple[SamplerOutput, set[str]]:
-        """One batched sampler call; if it raises, each request alone, so only a request at fault fails.
-
-        Returns the per-row output and the ids of requests whose rows could not be sampled (their rows hold 0).
-        """
-        requests = [s.request for s, n in rows for _ in range(n)]
-        try:
-            return self._sample_rows(logits, requests), set()
-        except Exception:
-            logger.exception("the batched sampler failed; sampling each request alone")
-        out = SamplerOutput(token_ids=[], logprobs=[], top_logprobs=[])
-        failed: set[str] = set()
-        row = 0
-        for s, n in rows:
-            try:
-                part = self._sample_rows(logits[row : row + n], requests[row : row + n])
-            except Exception:
-                logger.exception("sampling failed for request %s", s.request.request_id)
-                failed.add(s.request.request_id)
-                part = SamplerOutput(token_ids=[0] * n)
-            out.token_ids += part.token_ids
-            out.logprobs += part.logprobs or [0.0] * n
-            out.top_logprobs += part.top_logprobs or [None] * n
-            row += n
-        return out, failed
-
-    def _sample_rows(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        """The sampler reads a row's history only for penalties and min_tokens; other rows pass nothing,
-        so plain decoding does not copy every request's prompt and output every step."""
-        history = [_history(r) for r in requests]
-        return self.sampler(
-            logits,
-            [r.params for r in requests],
-            [r.generator for r in requests],
-            [h[0] for h in history],
-            [h[1] for h in history],
-        )
 
     # -- cache and counters ---------------------------------------------------------------------------
 
@@ -247,12 +200,7 @@ class LLMEngine:
         return self.kv.reset_prefix_cache()
 
     def stats(self) -> dict[str, float]:
-        stats = dict(self.kv.stats())
-        stats.update(self.scheduler.counters)
-        stats["num_requests_running"] = len(self.scheduler.running)
-        stats["num_requests_waiting"] = len(self.scheduler.waiting)
-        stats["num_preemptions"] = self.scheduler.num_preemptions
-        return stats
+        return self.core.stats()
 
 
 def _as_token_ids(values: Sequence[int]) -> list[int]:
@@ -261,13 +209,3 @@ def _as_token_ids(values: Sequence[int]) -> list[int]:
         return [operator.index(t) for t in values]
     except TypeError as exc:
         raise InvalidParameter("prompt", f"prompt token ids must be integers: {exc}") from exc
-
-
-def _history(request: Request) -> tuple[Sequence[int], Sequence[int]]:
-    """(prompt, output) token ids as far as the sampler needs them for this request's parameters."""
-    params = request.params
-    if params.has_penalties:
-        return request.prompt_token_ids, request.output_token_ids
-    if params.min_tokens:
-        return (), request.output_token_ids
-    return (), ()

@@ -116,7 +116,6 @@ class Scheduler:
                 i += 1
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
-        scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         return SchedulerOutput(scheduled, preempted)
 
     def _allocate(self, request: Request, num_tokens: int, prefix: PrefixHit | None = None) -> bool:

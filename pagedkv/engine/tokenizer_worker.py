@@ -1,11 +1,12 @@
-"""TokenizerWorker: the server's one thread for tokenizing prompts and rendering chat templates.
+"""TokenizerWorker: the server's one thread for text -- prompts in, detokenized outputs out.
 
 The engine thread must only step the engine: tokenizing a long prompt there (seconds for megabytes of text)
-would stall every stream. The event loop must not tokenize either, or a long prompt would stall every
-connection. And a fast (Rust) tokenizer must not be shared across threads: its encode path takes an internal
-borrow that a second thread trips over ("Already borrowed"). So the worker owns a private copy of the
-tokenizer, and the engine thread keeps the original for detokenizing: each tokenizer object is used by one
-thread only.
+would stall every stream, and so would detokenizing and matching stop strings between steps. The event
+loop must not do it either, or it would stall every connection. And a fast (Rust) tokenizer must not be
+shared across threads: its encode path takes an internal borrow that a second thread trips over ("Already
+borrowed"). So this one thread owns a private copy of the tokenizer and does all text work: it tokenizes
+prompts, renders chat templates, validates and builds the engine requests, and runs the output processor
+on each step's token ids (while the engine thread already computes the next step).
 
 Logprob responses need every sampled token's text on the event loop; the worker decodes the whole
 vocabulary once (a batch decode, ~0.2 s for 49 k tokens) and the loop reads that table.
@@ -15,11 +16,21 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
+from pagedkv.engine.output_processor import OutputProcessor, Stop
 from pagedkv.engine.prompts import encode_text, render_chat
+from pagedkv.engine.request import CoreOutput, OutputKind, Request, RequestOutput
+from pagedkv.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedkv.engine.engine import LLMEngine
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -32,14 +43,40 @@ class EnginePrompt:
 
 
 class TokenizerWorker:
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = copy.deepcopy(tokenizer)
+    def __init__(self, engine: LLMEngine) -> None:
+        self._engine = engine  # only its fixed settings are read here (make_requests)
+        self._tokenizer = copy.deepcopy(engine.tokenizer)
+        self.processor = OutputProcessor(self._tokenizer)  # touched on the worker thread only
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedkv-tokenizer")
         self._token_texts: Future[list[str]] | None = None
 
-    async def tokenize(self, prompts: list[EnginePrompt]) -> list[list[int]]:
-        """Token ids of every prompt; ValueError (a 400) if one cannot be tokenized."""
-        return await asyncio.wrap_future(self._pool.submit(self._tokenize_all, prompts))
+    async def prepare(
+        self,
+        group_ids: list[str],
+        prompts: list[EnginePrompt],
+        params: SamplingParams,
+        cache_salt: str | None,
+        output_kind: OutputKind,
+    ) -> list[list[Request]]:
+        """Tokenize, validate and build every prompt's requests and register their output state, all or
+        none; the requests of each prompt. ValueError (a 400) if one cannot be."""
+        job = self._pool.submit(self._prepare, group_ids, prompts, params, cache_salt, output_kind)
+        return await asyncio.wrap_future(job)
+
+    def process(self, outputs: list[CoreOutput], done: Callable[[list[RequestOutput], list[Stop]], None]) -> None:
+        """Detokenize one step's outputs on the worker (in step order), then call ``done`` there."""
+        self._submit(self._process, outputs, done)
+
+    def abort(self, group_ids: list[str]) -> None:
+        """Forget these requests' output state (on the worker, after everything submitted before)."""
+        self._submit(self._abort, group_ids)
+
+    def _submit(self, job: Callable, *args: object) -> None:
+        """Fire and forget; after ``close`` there is nothing left to do it for."""
+        try:
+            self._pool.submit(job, *args)
+        except RuntimeError:
+            logger.debug("tokenizer worker closed; dropped %s", job)
 
     async def token_texts(self) -> list[str]:
         """Each token id's text (skip_special_tokens=False, no clean-up), decoded once on first use."""
@@ -50,8 +87,37 @@ class TokenizerWorker:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _tokenize_all(self, prompts: list[EnginePrompt]) -> list[list[int]]:
-        return [self._tokenize(p) for p in prompts]
+    def _prepare(
+        self,
+        group_ids: list[str],
+        prompts: list[EnginePrompt],
+        params: SamplingParams,
+        cache_salt: str | None,
+        output_kind: OutputKind,
+    ) -> list[list[Request]]:
+        requests, groups = [], []
+        for group_id, prompt in zip(group_ids, prompts, strict=True):
+            token_ids = self._tokenize(prompt)
+            built = self._engine.make_requests(group_id, token_ids, params, cache_salt)
+            ids, prompt_ids = [r.request_id for r in built], built[0].prompt_token_ids
+            groups.append(self.processor.make_group(group_id, ids, None, prompt_ids, params, output_kind))
+            requests.append(built)
+        for group in groups:
+            self.processor.add(group)
+        return requests
+
+    def _process(self, outputs: list[CoreOutput], done: Callable[[list[RequestOutput], list[Stop]], None]) -> None:
+        try:
+            results, stops = self.processor.process(outputs)
+        except Exception:  # the processor guards each request; this is a bug: fail what it holds, stay up
+            logger.exception("the output processor failed; stopping every request it holds")
+            stops = [Stop(s.request_id, "error") for g in self.processor.groups.values() for s in g.samples]
+            results = [self.processor.fail(group_id) for group_id in list(self.processor.groups)]
+        done(results, stops)
+
+    def _abort(self, group_ids: list[str]) -> None:
+        for group_id in group_ids:
+            self.processor.abort(group_id)
 
     def _tokenize(self, prompt: EnginePrompt) -> list[int]:
         if prompt.prompt_token_ids is not None:
