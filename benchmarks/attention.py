@@ -1,10 +1,12 @@
-"""Decode attention over the paged KV pool: the compiled kernel against gather + SDPA and the memory floor.
+"""Decode attention over the paged KV pool: the engine's two attention backends and the memory floor.
 
-For each model shape, batch size and context length (block_size 16, shuffled block tables) one decode
-step's attention -- one query per request over its whole context -- is computed by
+For each model shape, batch size and context length (block_size 16, shuffled block tables) one layer of a
+decode step -- one query per request over its whole context -- runs through a backend's ``forward``, the
+call every layer makes (K/V write included); the step's metadata is built once outside the timing, as the
+engine builds it once for all layers:
 
-- ``kernel``  ``decode_attention_kernel``: C++ over the block table, K/V read in place (no copy)
-- ``gather``  ``decode_attention_reference``: one ``index_select`` of every context, then SDPA per request
+- ``kernel``  ``KernelAttention``: the compiled kernel walks the block table, K/V read in place (no copy)
+- ``gather``  ``TorchAttention``: one ``index_select`` of every context, then SDPA per request
 - ``floor``   the memory floor: the bytes of K/V the step must read / memcpy bandwidth. The bandwidth is
               measured in every row, interleaved with the candidates, by copying a 64 MiB tensor into a
               preallocated one (``clone()`` would also pay first-touch page faults for its fresh output).
@@ -32,7 +34,9 @@ from common import (
     setup_threads,
 )
 
-from pagedkv.attention.kernel import decode_attention_kernel, decode_attention_reference, kernel_available
+from pagedkv import kernels
+from pagedkv.attention.paged import KernelAttention, TorchAttention
+from pagedkv.kv import ops
 
 BLOCK_SIZE = 16
 BATCHES = (1, 8, 32)
@@ -49,7 +53,6 @@ class Row:
     num_kv_heads: int
     num_q_heads: int
     head_dim: int
-    dtype: str
     batch: int
     context: int
     bytes: int  # K and V the step reads
@@ -60,32 +63,38 @@ class Row:
     kernel_over_floor: float
 
 
-def make_step(kv_heads: int, q_heads: int, dim: int, dtype: torch.dtype, batch: int, context: int, seed: int):
-    """Pools holding exactly the step's blocks, each request's table a random slice of a shuffle of them."""
+def make_step(kv_heads: int, q_heads: int, dim: int, batch: int, context: int, seed: int):
+    """Pools holding exactly the step's blocks, each request's table a random slice of a shuffle of them;
+    the new K/V are the pool's rows at each request's last position (writing them changes nothing)."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_request = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks_per_request
-    k_pool = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, dim, generator=gen).to(dtype)
-    v_pool = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, dim, generator=gen).to(dtype)
-    tables = torch.randperm(num_blocks, generator=gen).view(batch, blocks_per_request)
-    q = torch.randn(batch, q_heads, dim, generator=gen).to(dtype)
-    return q, k_pool, v_pool, tables, torch.full((batch,), context, dtype=torch.int64)
+    k_pool = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, dim, generator=gen)
+    v_pool = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, dim, generator=gen)
+    tables = torch.randperm(num_blocks, generator=gen).view(batch, blocks_per_request).tolist()
+    q = torch.randn(batch, q_heads, dim, generator=gen)
+    return q, k_pool, v_pool, tables
 
 
-def time_row(
-    kv_heads: int, q_heads: int, dim: int, dtype: torch.dtype, batch: int, context: int, repeats: int | None
-) -> Row:
-    q, k_pool, v_pool, tables, seq_lens = make_step(kv_heads, q_heads, dim, dtype, batch, context, seed=batch)
-    scale = dim**-0.5
+def layer(backend, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: list, context: int):
+    """One layer's call of ``backend`` in a decode step, its metadata built once (as the engine does per step)."""
+    batch, dim = len(tables), q.shape[-1]
+    meta = backend.build_metadata(tables, [1] * batch, [context] * batch, BLOCK_SIZE)
+    k, v = ops.gather_slots(k_pool, meta.slot_mapping), ops.gather_slots(v_pool, meta.slot_mapping)
+    return lambda: backend.forward(q, k, v, k_pool, v_pool, meta, dim**-0.5)
+
+
+def time_row(kv_heads: int, q_heads: int, dim: int, batch: int, context: int, repeats: int | None) -> Row:
+    q, k_pool, v_pool, tables = make_step(kv_heads, q_heads, dim, batch, context, seed=batch)
     src = torch.randn(COPY_BYTES // 4)
     dst = torch.empty_like(src)
     fns = {
-        "kernel": lambda: decode_attention_kernel(q, k_pool, v_pool, tables, seq_lens, scale),
-        "gather": lambda: decode_attention_reference(q, k_pool, v_pool, tables, seq_lens, scale),
+        "kernel": layer(KernelAttention(), q, k_pool, v_pool, tables, context),
+        "gather": layer(TorchAttention(), q, k_pool, v_pool, tables, context),
         "memcpy": lambda: dst.copy_(src),
     }
-    expected, got = fns["gather"]().float(), fns["kernel"]().float()
-    if not torch.allclose(got, expected, atol=1e-4 if dtype == torch.float32 else 2e-2, rtol=0):
+    expected, got = fns["gather"](), fns["kernel"]()
+    if not torch.allclose(got, expected, atol=1e-4, rtol=0):
         raise RuntimeError(f"kernel and gather disagree by {float((got - expected).abs().max()):.2e}")
     if repeats is None:
         once = sum(min(sample_interleaved(fns, warmup=1, repeats=2)[name]) for name in fns) / 1e6
@@ -101,7 +110,6 @@ def time_row(
         num_kv_heads=kv_heads,
         num_q_heads=q_heads,
         head_dim=dim,
-        dtype=str(dtype).removeprefix("torch."),
         batch=batch,
         context=context,
         bytes=kv_bytes,
@@ -113,11 +121,10 @@ def time_row(
     )
 
 
-def run(shapes, dtypes, batches, contexts, repeats: int | None) -> list[Row]:
+def run(shapes, batches, contexts, repeats: int | None) -> list[Row]:
     return [
-        time_row(kv_heads, q_heads, dim, dtype, batch, context, repeats)
+        time_row(kv_heads, q_heads, dim, batch, context, repeats)
         for kv_heads, q_heads, dim in shapes
-        for dtype in dtypes
         for batch in batches
         for context in contexts
     ]
@@ -126,7 +133,6 @@ def run(shapes, dtypes, batches, contexts, repeats: int | None) -> list[Row]:
 def table_text(rows: list[Row], markdown: bool = False) -> str:
     headers = [
         "Hkv/Hq x D",
-        "dtype",
         "batch",
         "context",
         "MiB",
@@ -137,7 +143,6 @@ def table_text(rows: list[Row], markdown: bool = False) -> str:
     body = [
         [
             f"{r.num_kv_heads}/{r.num_q_heads}x{r.head_dim}",
-            r.dtype,
             r.batch,
             r.context,
             r.bytes / 2**20,
@@ -151,11 +156,11 @@ def table_text(rows: list[Row], markdown: bool = False) -> str:
 
 
 def acceptance(rows: list[Row]) -> list[dict[str, object]]:
-    """Per shape, fp32: at batch 8 x 4096 the kernel is >= 1.5x gather and <= 2x the floor; at 1024 it is
+    """Per shape: at batch 8 x 4096 the kernel is >= 1.5x gather and <= 2x the floor; at 1024 it is
     never slower than gather."""
     out = []
     for shape in dict.fromkeys((r.num_kv_heads, r.num_q_heads, r.head_dim) for r in rows):
-        mine = [r for r in rows if (r.num_kv_heads, r.num_q_heads, r.head_dim) == shape and r.dtype == "float32"]
+        mine = [r for r in rows if (r.num_kv_heads, r.num_q_heads, r.head_dim) == shape]
         main = [r for r in mine if r.batch == ACCEPT_BATCH and r.context == ACCEPT_CONTEXT]
         parity = [r.gather_over_kernel for r in mine if r.context == PARITY_CONTEXT]
         if not main:
@@ -184,7 +189,7 @@ def plot(rows: list[Row], path: str) -> None:
         panels_by(
             rows,
             METHODS,
-            lambda r: f"Hkv {r.num_kv_heads}, Hq {r.num_q_heads}, D {r.head_dim}, {r.dtype}, batch {r.batch}",
+            lambda r: f"Hkv {r.num_kv_heads}, Hq {r.num_q_heads}, D {r.head_dim}, batch {r.batch}",
             lambda r: r.context,
         ),
         "context (tokens)",
@@ -198,21 +203,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_output_args(parser, default_plot="benchmarks/results/attention.png")
     parser.add_argument("--repeats", type=int, default=None, help="samples per candidate (default: adaptive)")
-    parser.add_argument("--bf16", action="store_true", help="also time bfloat16 pools")
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
     args = parser.parse_args(argv)
     setup_threads(args.threads)
-    if not kernel_available():
+    if not kernels.portable.available():
         print(
             "the C++ decode kernel could not be built (see the warning above): nothing to compare",
             file=sys.stderr,
         )
         return 1
-    dtypes = (torch.float32, torch.bfloat16) if args.bf16 else (torch.float32,)
     if args.quick:
-        rows = run(SHAPES[:1], dtypes, (ACCEPT_BATCH,), (PARITY_CONTEXT, ACCEPT_CONTEXT), args.repeats or 5)
+        rows = run(SHAPES[:1], (ACCEPT_BATCH,), (PARITY_CONTEXT, ACCEPT_CONTEXT), args.repeats or 5)
     else:
-        rows = run(SHAPES, dtypes, BATCHES, CONTEXTS, args.repeats)
+        rows = run(SHAPES, BATCHES, CONTEXTS, args.repeats)
     summary = {
         "benchmark": "attention",
         "unit": "us",
@@ -228,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table_text(rows, markdown=args.markdown), file=text_out)
     for a in summary["acceptance"]:
         print(
-            f"fp32 {a['num_kv_heads']}/{a['num_q_heads']}x{a['head_dim']}, "
+            f"{a['num_kv_heads']}/{a['num_q_heads']}x{a['head_dim']}, "
             f"batch {ACCEPT_BATCH} x {ACCEPT_CONTEXT}: "
             f"gather/kernel {a['gather_over_kernel']:.2f}x (target >= {ACCEPT_SPEEDUP}), kernel/floor "
             f"{a['kernel_over_floor']:.2f}x (target <= {ACCEPT_VS_FLOOR}); worst gather/kernel at "

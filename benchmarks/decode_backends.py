@@ -41,7 +41,7 @@ def run(backend: str, args: argparse.Namespace) -> dict:
     decode_start = max(start + o.metrics["ttft"] for o in outputs)
     decode_tokens = sum(len(o.token_ids) - 1 for o in outputs)
     return {
-        "backend": llm.engine.attention_backend,
+        "backend": llm.engine.attention.name,
         "prompt_tokens": sum(len(p) for p in prompts),
         "wall_s": round(end - start, 2),
         "decode_tok_s": round(decode_tokens / (end - decode_start), 1),

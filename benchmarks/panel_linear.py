@@ -25,7 +25,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import format_table, setup_threads, time_interleaved  # noqa: E402
 
-from pagedkv.model import kernels, panel  # noqa: E402
+from pagedkv import kernels  # noqa: E402
+from pagedkv.model import panel  # noqa: E402
 from pagedkv.model.codes import GROUP, Q4_LEVELS, Q8_LEVELS  # noqa: E402
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down of SmolLM2-135M
@@ -61,7 +62,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="4 layers, few repeats")
     args = parser.parse_args()
     setup_threads(args.threads)
-    if not kernels.available():
+    if not kernels.gemm.available():
         raise SystemExit("the panel kernel could not be built; see the warning above")
     layers = 4 if args.quick else args.layers
     weights = [q4_coded(n, k) for _ in range(layers) for n, k in LAYER_SHAPES] + [q8_coded(*HEAD_SHAPE)]

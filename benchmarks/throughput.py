@@ -40,12 +40,12 @@ def native_bf16() -> bool:
 
 
 # bf16 linears where the CPU has bf16 GEMMs; elsewhere the GGUF's exact 4-/8-bit codes on the panel GEMM
-FASTEST_DTYPE = "bfloat16" if native_bf16() else "q4"
+FASTEST_FORMAT = "bfloat16" if native_bf16() else "gguf"
 PAGEDKV_CONFIGS = {
-    "pagedkv fp32, prefix caching": {"dtype": "float32", "enable_prefix_caching": True},
-    "pagedkv fp32, no prefix caching": {"dtype": "float32", "enable_prefix_caching": False},
-    f"pagedkv fastest ({FASTEST_DTYPE} linears, kernel)": {
-        "dtype": FASTEST_DTYPE,
+    "pagedkv fp32, prefix caching": {"weight_format": "float32", "enable_prefix_caching": True},
+    "pagedkv fp32, no prefix caching": {"weight_format": "float32", "enable_prefix_caching": False},
+    f"pagedkv fastest ({FASTEST_FORMAT} linears, kernel)": {
+        "weight_format": FASTEST_FORMAT,
         "enable_prefix_caching": True,
         "attention_backend": "kernel",
     },
@@ -80,7 +80,7 @@ def run_pagedkv(name: str, options: dict, conversations, max_new_tokens: int, th
         [o.metrics["ttft"] * 1000 for o in outputs],
         tpots,
         [o.token_ids for o in outputs],
-        note=f"attention: {llm.engine.attention_backend}",
+        note=f"attention: {llm.engine.attention.name}",
     )
 
 

@@ -1,46 +1,71 @@
-"""EngineConfig: every knob of the engine in one validated dataclass."""
+"""EngineConfig: every knob of the engine in one validated dataclass.
+
+Each field's ``metadata["help"]`` says what it does, for the CLI options generated from the fields; where
+only some values are allowed, ``metadata["choices"]`` is the list that lives next to the code using them.
+``dtype`` and ``linear_backend`` are the old names of ``weight_format`` and ``kernels``, kept for one
+release: they warn and are mapped to the new fields, then read None.
+"""
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, fields
-from pathlib import Path
+import warnings
+from dataclasses import dataclass, field, fields
+from typing import Any
 
-DTYPES = ("float32", "bfloat16", "q4")
-ATTENTION_BACKENDS = ("kernel", "gather")
-LINEAR_BACKENDS = ("panel", "torch")
+from pagedkv.attention.backend import BACKENDS
+from pagedkv.model.layers import WEIGHT_FORMATS
+
+# old name -> (new name, old value -> new value)
+_DEPRECATED = {
+    "dtype": ("weight_format", {"float32": "float32", "bfloat16": "bfloat16", "q4": "gguf"}),
+    "linear_backend": ("kernels", {"panel": True, "torch": False}),
+}
+
+
+def _option(default: Any, help: str, **metadata: Any) -> Any:
+    return field(default=default, metadata={"help": help, **metadata})
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    """Engine settings; `LLM(**kwargs)` and the CLI fill this.
+    """Engine settings; ``LLM(**kwargs)`` and the CLI fill this."""
 
-    `num_kv_blocks=None` sizes the pool from `kv_cache_memory_gb`. `max_model_len=None` takes the model's
-    own context length. `attention_backend=None` means: `$PAGEDKV_ATTENTION_BACKEND` if set, else the
-    compiled kernel when it builds, else the gather path. `linear_backend=None` likewise means
-    `$PAGEDKV_LINEAR_BACKEND`, else the compiled panel GEMM (and RMSNorm) when it builds,
-    else torch's GEMM everywhere. `dtype="q4"` reads the GGUF file's exact 4-/8-bit codes and needs the
-    panel GEMM. `num_speculative_tokens=k > 0` lets greedy requests guess up to k tokens a step from their
-    own history (prompt lookup, see `pagedkv.engine.speculative`); outputs stay greedy's.
-    """
-
-    model: str | None = None
-    dtype: str = "float32"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float = 1.0
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    attention_backend: str | None = None
-    linear_backend: str | None = None
-    num_speculative_tokens: int = 0
-    num_threads: int | None = None
+    model: str | None = _option(None, "HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    weight_format: str = _option(
+        "float32",
+        "weights of the linear layers: float32; bfloat16 (pays on CPUs with bf16 GEMMs); gguf: fp32 math on the "
+        "GGUF file's own Q4_1 / Q8_0 codes, exactly the same weights in a quarter of the bytes (needs kernels)",
+        choices=tuple(WEIGHT_FORMATS),
+    )
+    block_size: int = _option(16, "tokens per KV block (a power of two)")
+    num_kv_blocks: int | None = _option(None, "KV pool size in blocks (default: from kv_cache_memory_gb)")
+    kv_cache_memory_gb: float = _option(1.0, "KV pool memory in GiB, used when num_kv_blocks is not given")
+    max_num_seqs: int = _option(64, "most requests in one step")
+    max_num_batched_tokens: int = _option(2048, "most tokens in one step (prompts are cut into chunks to fit)")
+    max_model_len: int | None = _option(None, "longest context, prompt and output (default: the model's own)")
+    enable_prefix_caching: bool = _option(True, "reuse the KV blocks of identical prompt prefixes")
+    attention_backend: str | None = _option(
+        None,
+        "decode attention: the compiled kernel or gather + SDPA in torch (default: $PAGEDKV_ATTENTION_BACKEND, "
+        "else the kernel if it builds)",
+        choices=BACKENDS,
+    )
+    kernels: bool | None = _option(
+        None,
+        "compiled ops for the linear layers (panel GEMM), RMSNorm, SiLU and RoPE; False runs torch's ops "
+        "(default: $PAGEDKV_KERNELS, 1 or 0, else on where they build)",
+    )
+    num_speculative_tokens: int = _option(
+        0, "tokens a greedy request may guess per step from its own history (prompt lookup; 0 = off)"
+    )
+    num_threads: int | None = _option(None, "torch threads (default: all cores)")
+    dtype: str | None = _option(None, "deprecated: use weight_format ('q4' is now 'gguf')", deprecated=True)
+    linear_backend: str | None = _option(None, "deprecated: use kernels (panel: True, torch: False)", deprecated=True)
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        self._map_deprecated()
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight_format must be one of {tuple(WEIGHT_FORMATS)}, got {self.weight_format!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -53,12 +78,10 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS} or None, got {self.attention_backend!r}"
-            )
-        if self.linear_backend is not None and self.linear_backend not in LINEAR_BACKENDS:
-            raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS} or None, got {self.linear_backend!r}")
+        if self.attention_backend is not None and self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS} or None, got {self.attention_backend!r}")
+        if self.kernels is not None and not isinstance(self.kernels, bool):
+            raise ValueError(f"kernels must be True, False or None (on where they build), got {self.kernels!r}")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
             raise ValueError(
                 f"num_speculative_tokens must be an int >= 0 (0 = off), got {self.num_speculative_tokens!r}"
@@ -66,15 +89,21 @@ class EngineConfig:
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 
+    def _map_deprecated(self) -> None:
+        """``dtype`` -> ``weight_format``, ``linear_backend`` -> ``kernels``, with a DeprecationWarning each."""
+        for old, (new, values) in _DEPRECATED.items():
+            value = getattr(self, old)
+            if value is None:
+                continue
+            if value not in values:
+                raise ValueError(f"{old} must be one of {tuple(values)}, got {value!r}: better, use {new}")
+            message = f"{old}={value!r} is deprecated: use {new}={values[value]!r}"
+            warnings.warn(message, DeprecationWarning, stacklevel=4)  # past __post_init__, __init__: the caller
+            if getattr(self, new) not in (EngineConfig.__dataclass_fields__[new].default, values[value]):
+                raise ValueError(f"{old}={value!r} contradicts {new}={getattr(self, new)!r}: drop {old}")
+            setattr(self, new, values[value])
+            setattr(self, old, None)
+
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
-
-
-def cache_root() -> Path:
-    """Root of pagedkv's per-machine caches (converted models, the compiled kernel).
-
-    ``$PAGEDKV_CACHE_DIR`` if set, else ``~/.cache/pagedkv``.
-    """
-    override = os.environ.get("PAGEDKV_CACHE_DIR")
-    return Path(override).expanduser() if override else Path.home() / ".cache" / "pagedkv"

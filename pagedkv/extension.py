@@ -1,4 +1,4 @@
-"""Compile-on-first-use C++ ops (the paged decode kernel, the Q4 linear), cached once per machine.
+"""Compile-on-first-use C++ libraries (see :mod:`pagedkv.kernels`), cached once per machine.
 
 A build lives in ``<cache_root>/torch_extensions/<prefix><hash>``; the hash covers the source, the flags,
 torch, Python and the CPU's instruction set, so a build is reused only where it is valid (``-march=native``
@@ -26,15 +26,12 @@ import platform
 import shutil
 import stat
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-
-from pagedkv.config import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -212,70 +209,10 @@ def summarize_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {line}"[:300]
 
 
-class BuildOnce:
-    """The one build attempt per process of a compiled op: the op, or why there is none (thread-safe)."""
+def cache_root() -> Path:
+    """Root of pagedkv's per-machine caches (converted models, compiled ops).
 
-    def __init__(self, what: str, fallback: str) -> None:
-        self.what = what  # names the op in the warning
-        self.fallback = fallback  # says what runs instead
-        self.tried = False
-        self.op: Callable | None = None
-        self.error: str | None = None
-        self.refused: str | None = None  # an unsafe cache's message, raised at every call
-        self._lock = threading.Lock()
-
-    def fresh(self) -> BuildOnce:
-        """A state that has not tried yet (tests use it to simulate a new process)."""
-        return BuildOnce(self.what, self.fallback)
-
-    def available(self, build: Callable[[], Callable]) -> bool:
-        """Run ``build`` on the first call; False, with one warning, if it failed (no compiler, no ninja, ...).
-
-        An unsafe cache directory raises :class:`UnsafeCacheDirectory` instead, at every call: it is an
-        error the user must fix, not a reason to run slower.
-        """
-        with self._lock:
-            if not self.tried:
-                self.tried = True
-                try:
-                    self.op = build()
-                except UnsafeCacheDirectory as exc:
-                    self.refused = self.error = str(exc)
-                except Exception as exc:  # whatever else stops the build means: use the fallback
-                    self.error = summarize_error(exc)
-                    logger.debug("%s build failed", self.what, exc_info=True)
-                    logger.warning("pagedkv: the %s could not be built (%s); %s", self.what, self.error, self.fallback)
-            if self.refused is not None:
-                raise UnsafeCacheDirectory(self.refused)
-            return self.op is not None
-
-
-def choose_backend(
-    requested: str | None,
-    env_var: str,
-    choices: tuple[str, str],
-    available: Callable[[], bool],
-    what: str,
-) -> str:
-    """``choices[0]`` (a compiled op) or ``choices[1]`` (its PyTorch fallback) for ``what``.
-
-    The argument wins, then ``$env_var``, then the compiled op if it builds. Asking for the compiled op
-    where it cannot be built falls back with a warning rather than failing: an engine must start anyway.
-    An unsafe cache directory is the exception: :class:`UnsafeCacheDirectory` reaches the caller, so the
-    user fixes it rather than running slower without knowing why.
+    ``$PAGEDKV_CACHE_DIR`` if set, else ``~/.cache/pagedkv``.
     """
-    compiled, fallback = choices
-    source = f"the {what} argument"
-    if requested is None and os.environ.get(env_var, "").strip():
-        requested, source = os.environ[env_var].strip(), f"${env_var}"
-    if requested is None:
-        if available():
-            return compiled
-        logger.info("%s: %r (the compiled one is unavailable)", what, fallback)
-        return fallback
-    if requested not in choices:
-        raise ValueError(f"{what} {requested!r} from {source} is not one of {choices}: use one of those")
-    if requested == compiled and not available():
-        logger.warning("%s %r was asked for by %s but cannot be built: using %r", what, compiled, source, fallback)
-        return fallback
-    return requested
+    override = os.environ.get("PAGEDKV_CACHE_DIR")
+    return Path(override).expanduser() if override else Path.home() / ".cache" / "pagedkv"

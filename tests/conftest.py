@@ -15,8 +15,6 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from pagedkv.attention.metadata import AttentionMetadata
-
 if TYPE_CHECKING:
     from pagedkv.model.llama import LlamaForCausalLM
     from pagedkv.model.loader import LoadedModel
@@ -49,10 +47,10 @@ def hf_default_tokenizer(default_model_path: str):
 
 @pytest.fixture(scope="session")
 def default_model() -> LoadedModel:
-    """pagedkv's default model through its own loader: fp32, gather attention."""
+    """pagedkv's default model through its own loader: fp32, torch's attention and ops."""
     from pagedkv.model.loader import load_model
 
-    return load_model(None, dtype="float32", attention_backend="gather")
+    return load_model(None, weight_format="float32")
 
 
 @pytest.fixture(scope="session")
@@ -93,7 +91,7 @@ class PagedHarness:
             query_lens.append(len(new))
             seq_lens.append(end)
             done += new
-        meta = AttentionMetadata.build(tables, query_lens, seq_lens, self.block_size)
+        meta = self.model.attention.build_metadata(tables, query_lens, seq_lens, self.block_size)
         logits = self.model(torch.tensor(ids), torch.tensor(positions), meta, self.kv_caches, torch.arange(len(ids)))
         return list(logits.split(query_lens))
 

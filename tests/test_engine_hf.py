@@ -26,7 +26,7 @@ TIE_GAP = 1e-3
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(dtype="float32", attention_backend="gather")
+    return LLM(weight_format="float32", attention_backend="gather")
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_prefix_cache_on_off_and_warm_rerun(llm, chat_prompts, hf_greedy):
         assert c.token_ids == w.token_ids
         assert w.num_cached_tokens >= (len(prompt) - 1) // block * block
         assert len(prompt) - w.num_cached_tokens <= block
-    off = LLM(dtype="float32", attention_backend="gather", enable_prefix_caching=False)
+    off = LLM(weight_format="float32", attention_backend="gather", enable_prefix_caching=False)
     uncached = off.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in uncached] == [o.token_ids for o in cold]
     assert all(o.num_cached_tokens == 0 for o in uncached)

@@ -19,9 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedkv import extension
-from pagedkv.attention import backend, kernel
-from pagedkv.model import kernels, panel
+from pagedkv import extension, kernels
+from pagedkv.attention import backend
 
 HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
 needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler here: nothing can be built")
@@ -241,24 +240,31 @@ def test_unsafe_cache_stops_engine_start(monkeypatch, tmp_path, caplog):
     root.chmod(0o775)
     monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(root))
     monkeypatch.delenv(backend.ENV_VAR, raising=False)
-    monkeypatch.delenv(panel.ENV_VAR, raising=False)
-    monkeypatch.setattr(kernel, "_state", kernel._state.fresh())
-    monkeypatch.setattr(kernels, "_state", kernels._state.fresh())
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    monkeypatch.setattr(kernels, "portable", kernels.portable.fresh())
+    monkeypatch.setattr(kernels, "gemm", kernels.gemm.fresh())
     for _ in range(2):
         with pytest.raises(extension.UnsafeCacheDirectory, match=f"{root} is writable by group"):
-            backend.resolve_backend(None)
+            backend.select_backend(None)
         with pytest.raises(extension.UnsafeCacheDirectory, match=f"chmod go-w {root}"):
-            panel.resolve_backend("panel")
-    assert backend.resolve_backend("gather") == "gather"
+            kernels.use_kernels(True)
+    assert backend.select_backend("gather").name == "gather"
+    assert kernels.use_kernels(False) is False
     assert "could not be built" not in caplog.text
 
 
 def test_other_build_failures_still_fall_back(caplog):
-    state = extension.BuildOnce("tiny op", "torch runs instead")
+    library = kernels.CompiledLibrary("pagedkv_tiny", [], [], "tiny ops", "torch runs instead")
+    attempts = []
 
     def broken():
+        attempts.append(1)
         raise RuntimeError("error: no compiler")
 
-    assert state.available(broken) is False
-    assert state.available(broken) is False
+    library.build = broken
+    assert library.available() is False
+    assert library.available() is False
+    assert attempts == [1], "one attempt per process"
     assert "could not be built (RuntimeError: error: no compiler); torch runs instead" in caplog.text
+    with pytest.raises(RuntimeError, match="tiny ops are not available .*: use torch"):
+        library.require("use torch")

@@ -10,7 +10,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
 
-from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.model import loader
 
 
@@ -114,7 +113,7 @@ def test_sharded_safetensors_directory_loads_and_matches_hf(tmp_path):
     model, tokens = loaded.model, [5, 9, 200, 17, 33, 1, 250]
     shape = (4, 4, model.num_kv_heads, model.head_dim)
     kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(model.num_layers)]
-    meta = AttentionMetadata.build([[2, 0]], [len(tokens)], [len(tokens)], 4)
+    meta = model.attention.build_metadata([[2, 0]], [len(tokens)], [len(tokens)], 4)
     n = len(tokens)
     ours = model(torch.tensor(tokens), torch.arange(n), meta, kv, torch.arange(n))
     with torch.no_grad():

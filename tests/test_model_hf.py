@@ -11,6 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
+from pagedkv import kernels
+from pagedkv.attention.paged import KernelAttention
 from pagedkv.model.layers import LMHead
 from pagedkv.model.llama import LlamaForCausalLM
 
@@ -131,11 +133,10 @@ def test_greedy_decode_matches_hf_generate(pair, paged_harness):
 
 def test_kernel_backend_matches_gather(pair, paged_harness):
     """The same mixed steps with decode attention on the compiled kernel (skipped where it cannot build)."""
-    kernel = pytest.importorskip("pagedkv.attention.kernel")
-    if not kernel.kernel_available():
+    if not kernels.portable.available():
         pytest.skip("the C++ decode kernel cannot be built here")
     hf, ours = pair
-    on_kernel = LlamaForCausalLM(hf.config, attention_backend="kernel")
+    on_kernel = LlamaForCausalLM(hf.config, attention=KernelAttention())
     on_kernel.load_weights(dict(hf.state_dict()))
     prompts = {"a": _prompt(10, 6), "b": _prompt(11, 21)}
     runs = [paged_harness(model, block_size=4, seed=8) for model in (ours, on_kernel)]
@@ -203,7 +204,7 @@ def test_default_model_greedy_matches_hf(default_model, hf_default_model, chat_p
 @pytest.mark.slow
 def test_bf16_linear_weights_stay_close_to_fp32(default_model, hf_default_model, chat_prompts, paged_harness):
     """bf16 weights round every GEMM: no exactness, but the top-1 token should rarely change."""
-    bf16 = LlamaForCausalLM(default_model.hf_config, dtype="bfloat16")
+    bf16 = LlamaForCausalLM(default_model.hf_config, weight_format="bfloat16")
     bf16.load_weights(dict(hf_default_model.state_dict()))
     assert bf16.layers[0].mlp.gate_up_proj.weight.dtype == torch.bfloat16
     assert bf16.norm.weight.dtype == torch.float32

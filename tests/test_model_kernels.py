@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedkv.model import kernels
+from pagedkv import kernels
 from pagedkv.model.layers import RMSNorm
 from pagedkv.model.rope import apply_rope
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="the model kernels could not be built here")
+pytestmark = pytest.mark.skipif(not kernels.portable.available(), reason="the compiled ops could not be built here")
 
 
 @pytest.mark.parametrize(("rows", "size"), [(1, 576), (9, 576), (100, 576), (3, 37), (0, 64)])

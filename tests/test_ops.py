@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedkv.kv import ops
+from pagedkv.kv import ops, reference
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -50,9 +50,15 @@ def all_readers(pool: torch.Tensor, table, seq_len: int) -> dict[str, torch.Tens
         "loop": ops.gather_kv_loop(pool, listed, seq_len, block_size),
         "indexed": ops.gather_kv_indexed(pool, listed, seq_len, block_size),
         "slots": ops.gather_slots(pool, ops.slot_mapping(table, 0, seq_len, block_size)),
-        "batched": ops.batched_gather_kv(pool, [listed], [seq_len], block_size),
+        "batched": reference.batched_gather_kv(pool, [listed], [seq_len], block_size),
         "reference": ref_gather(pool, listed, seq_len),
     }
+
+
+def test_tutorial_versions_stay_reachable_from_ops():
+    assert ops.gather_kv_loop is reference.gather_kv_loop and ops.gather_kv_indexed is reference.gather_kv_indexed
+    with pytest.raises(AttributeError, match="no attribute 'batched_gather_kv'"):
+        ops.batched_gather_kv  # noqa: B018 -- a test-only helper, not part of ops
 
 
 def assert_all_equal(results: dict[str, torch.Tensor]) -> None:
@@ -126,7 +132,7 @@ def test_batched_equals_per_request_concatenated(data, block_size):
     per_request = [ops.slot_mapping(t, a, b, block_size) for t, a, b in zip(tables, starts, ends, strict=True)]
     assert torch.equal(slots, torch.cat(per_request) if per_request else torch.empty(0, dtype=torch.int64))
 
-    gathered = ops.batched_gather_kv(pool, tables, ends, block_size)
+    gathered = reference.batched_gather_kv(pool, tables, ends, block_size)
     singles = [ops.gather_kv(pool, t, e, block_size) for t, e in zip(tables, ends, strict=True)]
     assert gathered.shape == (sum(ends), 2, 2)
     if singles:
@@ -136,7 +142,7 @@ def test_batched_equals_per_request_concatenated(data, block_size):
 def test_batched_shares_blocks_across_requests():
     pool = make_pool()
     tables, seq_lens = [[4, 7, 1], [4, 7], [1]], [10, 6, 2]
-    got = ops.batched_gather_kv(pool, tables, seq_lens, 4)
+    got = reference.batched_gather_kv(pool, tables, seq_lens, 4)
     assert torch.equal(got, torch.cat([ref_gather(pool, t, n) for t, n in zip(tables, seq_lens, strict=True)]))
 
 
@@ -151,7 +157,7 @@ def test_out_buffer_is_filled_and_returned(seq_len):
     assert ops.gather_slots(pool, ops.slot_mapping(table, 0, seq_len, 4), out=out2) is out2
     assert torch.equal(out2, expected)
     out3 = torch.full((seq_len, 2, 3), -1.0)
-    ops.batched_gather_kv(pool, [table], [seq_len], 4, out=out3)
+    reference.batched_gather_kv(pool, [table], [seq_len], 4, out=out3)
     assert torch.equal(out3, expected)
 
 
@@ -202,7 +208,7 @@ POOL = make_pool()  # 12 blocks of 4 slots, [2, 3] per slot
 ERRORS = {
     "block id too large": (lambda: ops.gather_kv(POOL, [0, 12], 5, 4), r"block ids must lie in \[0, 12\)"),
     "negative block id": (lambda: ops.gather_kv(POOL, [-1], 1, 4), r"block ids must lie in \[0, 12\)"),
-    "batched block id": (lambda: ops.batched_gather_kv(POOL, [[1], [99]], [1, 1], 4), "block ids must lie"),
+    "batched block id": (lambda: reference.batched_gather_kv(POOL, [[1], [99]], [1, 1], 4), "block ids must lie"),
     "seq_len beyond table": (lambda: ops.gather_kv(POOL, [1, 2], 9, 4), "needs 3 blocks but the block table"),
     "loop seq_len": (lambda: ops.gather_kv_loop(POOL, [1], 5, 4), "allocate more blocks"),
     "indexed seq_len": (lambda: ops.gather_kv_indexed(POOL, [1], 5, 4), "allocate more blocks"),
@@ -235,7 +241,7 @@ ERRORS = {
         "out must",
     ),
     "batched lengths": (
-        lambda: ops.batched_gather_kv(POOL, [[1]], [1, 1], 4),
+        lambda: reference.batched_gather_kv(POOL, [[1]], [1, 1], 4),
         "1 block tables but 2 seq_lens",
     ),
     "write float slots": (
@@ -284,7 +290,7 @@ def test_only_the_blocks_within_seq_len_are_read():
     # A stale id past seq_len (e.g. a table slot not filled yet) is never read, so it is not an error.
     pool = make_pool()
     assert torch.equal(ops.gather_kv(pool, [3, 999], 4, 4), ref_gather(pool, [3], 4))
-    assert torch.equal(ops.batched_gather_kv(pool, [[3, 999]], [4], 4), ref_gather(pool, [3], 4))
+    assert torch.equal(reference.batched_gather_kv(pool, [[3, 999]], [4], 4), ref_gather(pool, [3], 4))
 
 
 def test_large_shuffled_table_matches_reference():

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkv import LLM, SamplingParams
-from pagedkv.model import kernels, panel
+from pagedkv import LLM, SamplingParams, kernels
+from pagedkv.model import panel
 from pagedkv.model.codes import GROUP, Q4_LEVELS, Q8_LEVELS, encode_q4, encode_q8
 
 SHAPES = [(960, 576), (576, 1536), (37, 96), (16, 32)]
@@ -75,7 +75,7 @@ def test_one_changed_weight_is_rejected() -> None:
     assert encode_q8(w8) is None
 
 
-needs_kernel = pytest.mark.skipif(not kernels.available(), reason="the panel kernel could not be built here")
+needs_kernel = pytest.mark.skipif(not kernels.gemm.available(), reason="the panel kernel could not be built here")
 
 
 def _weights(n: int, k: int) -> dict[str, torch.Tensor]:
@@ -146,15 +146,16 @@ def test_default_model_layers_hold_exact_codes(default_model) -> None:
 @pytest.mark.slow
 @needs_kernel
 def test_q4_and_panel_engines_match_the_torch_gemm_engine() -> None:
-    """Greedy chat answers of dtype='q4' and of fp32 on panels equal fp32 on torch's GEMM, token for token."""
+    """Greedy chat answers of weight_format='gguf' and of fp32 on panels equal fp32 on torch's GEMM, token for
+    token."""
     questions = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.", "hi"]
     chats = [[{"role": "user", "content": q}] for q in questions]
     params = SamplingParams(max_tokens=24, temperature=0)
     answers = {}
     for name, options in {
-        "torch": {"linear_backend": "torch"},
-        "panel": {"linear_backend": "panel"},
-        "q4": {"dtype": "q4", "linear_backend": "panel"},
+        "torch": {"kernels": False},
+        "panel": {"kernels": True},
+        "q4": {"weight_format": "gguf", "kernels": True},
     }.items():
         llm = LLM(attention_backend="gather", max_num_seqs=4, **options)
         model = llm.engine.runner.model
@@ -170,23 +171,44 @@ def test_q4_and_panel_engines_match_the_torch_gemm_engine() -> None:
 
 
 def test_a_broken_compiler_falls_back_to_torch(monkeypatch, tmp_path, caplog) -> None:
-    """No compiler: the linear backend resolves to torch with one warning instead of failing the engine.
+    """No compiler: kernels resolve to torch's ops with one warning per library instead of failing the engine.
 
     (The torch path itself is what tests/test_engine_hf.py and tests/test_model_hf.py check against HF.)
     """
     import logging
 
-    monkeypatch.setattr(kernels, "_state", kernels._state.fresh())
+    monkeypatch.setattr(kernels, "portable", kernels.portable.fresh())
+    monkeypatch.setattr(kernels, "gemm", kernels.gemm.fresh())
     monkeypatch.setenv("CXX", "/bin/false")
     monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path))  # an empty cache: the build is attempted
-    monkeypatch.delenv(panel.ENV_VAR, raising=False)
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
     with caplog.at_level(logging.WARNING):
-        assert panel.resolve_backend(None) == "torch"
-        assert panel.resolve_backend("panel") == "torch"
+        assert kernels.use_kernels(None) is False
+        assert kernels.use_kernels(True) is False
     assert sum("could not be built" in r.getMessage() for r in caplog.records) == 1
-    assert any("'panel' was asked for" in r.getMessage() for r in caplog.records)
-    with pytest.raises(RuntimeError, match="linear_backend='torch'"):
+    assert any("kernels=True asked for" in r.getMessage() for r in caplog.records)
+    with pytest.raises(RuntimeError, match="kernels=False"):
         panel.panel_linear(torch.randn(2, 32), panel.pack(torch.randn(16, 32), "fp32"))
-    monkeypatch.setenv(panel.ENV_VAR, "mkl")
-    with pytest.raises(ValueError, match=panel.ENV_VAR):
-        panel.resolve_backend(None)
+    assert sum("could not be built" in r.getMessage() for r in caplog.records) == 2  # the GEMM's own attempt
+    monkeypatch.setenv(kernels.ENV_VAR, "mkl")
+    with pytest.raises(ValueError, match=kernels.ENV_VAR):
+        kernels.use_kernels(None)
+
+
+def test_without_avx2_only_the_gemm_is_lost(monkeypatch, tmp_path, caplog) -> None:
+    """A CPU without AVX2 cannot build the panel GEMM (it #errors); the portable ops still build and run."""
+    import logging
+
+    def no_avx2() -> None:
+        raise RuntimeError("panel_linear.cpp:33: error: #error panel_linear needs AVX2 and FMA")
+
+    monkeypatch.setattr(kernels, "gemm", kernels.gemm.fresh())
+    monkeypatch.setattr(kernels.gemm, "build", no_avx2)
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    if not kernels.portable.available():
+        pytest.skip("the portable ops could not be built here")
+    with caplog.at_level(logging.WARNING):
+        assert kernels.use_kernels(True) is True
+    assert any("panel GEMM ops (AVX2 + FMA) could not be built" in r.getMessage() for r in caplog.records)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(kernels.silu_mul(x), torch.nn.functional.silu(x[:, :32]) * x[:, 32:])

@@ -1,44 +1,53 @@
-"""Choosing and calling the decode attention backend: the compiled kernel or the gather + SDPA fallback.
+"""AttentionBackend: how every layer attends, chosen once when the engine starts and handed to the layers.
 
-The choice is made once, when the engine starts, so a machine without a compiler still runs (on the
-fallback, with one log line saying why) instead of failing on its first decode step. Both backends give
-the same numbers; the kernel is faster because it reads K/V in place instead of gathering a copy.
+Choosing at start means a machine without a compiler runs (on the torch backend, with one log line saying
+why) instead of failing at its first decode step, and a layer's forward is one method call with no
+dispatch on a name. Both backends give the same numbers (tests/test_kernel.py holds them to it).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+from typing import Protocol
+
 from torch import Tensor
 
-from pagedkv import extension
-from pagedkv.attention.kernel import decode_attention_kernel, decode_attention_reference, kernel_available
+from pagedkv import kernels
+from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.attention.paged import KernelAttention, TorchAttention
 
-BACKENDS = ("kernel", "gather")
+BACKENDS = ("kernel", "gather")  # the compiled decode kernel, or gather + SDPA (torch only)
 ENV_VAR = "PAGEDKV_ATTENTION_BACKEND"
 
-_DECODE = {"kernel": decode_attention_kernel, "gather": decode_attention_reference}
+
+class AttentionBackend(Protocol):
+    name: str  # one of BACKENDS
+
+    def build_metadata(
+        self, block_tables: Sequence[Sequence[int]], query_lens: Sequence[int], seq_lens: Sequence[int], block_size: int
+    ) -> AttentionMetadata:
+        """One step's metadata with what this backend precomputes per step (requests with one new token first)."""
+        ...
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, meta: AttentionMetadata, scale: float
+    ) -> Tensor:
+        """Write ``k, v [T, Hkv, D]`` at ``meta.slot_mapping``, then attend ``q [T, Hq, D]``: ``[T, Hq, D]``."""
+        ...
 
 
-def resolve_backend(requested: str | None) -> str:
-    """``"kernel"`` or ``"gather"``: the argument, else ``$PAGEDKV_ATTENTION_BACKEND``, else the kernel if
-    it builds (else ``"gather"``, with one log line saying why).
+def select_backend(requested: str | None) -> AttentionBackend:
+    """The ``attention_backend`` option (one of :data:`BACKENDS`, checked by ``EngineConfig``), else
+    ``$PAGEDKV_ATTENTION_BACKEND``, else the kernel if it builds.
 
-    Asking for the kernel where it cannot be built falls back to ``"gather"`` with a warning.
+    Asking for the kernel where it cannot be built gives the torch backend, with a warning.
     """
-    return extension.choose_backend(requested, ENV_VAR, BACKENDS, kernel_available, "attention backend")
-
-
-def decode_attention(
-    backend: str,
-    q: Tensor,
-    k_pool: Tensor,
-    v_pool: Tensor,
-    block_tables: Tensor,
-    seq_lens: Tensor,
-    scale: float,
-) -> Tensor:
-    """Decode attention ``[B, Hq, D]`` by ``backend``; the arguments are ``decode_attention_kernel``'s."""
-    try:
-        decode = _DECODE[backend]
-    except KeyError:
-        raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}") from None
-    return decode(q, k_pool, v_pool, block_tables, seq_lens, scale)
+    source = f"attention_backend={requested!r}"
+    value = os.environ.get(ENV_VAR, "").strip()
+    if requested is None and value:
+        if value not in BACKENDS:
+            raise ValueError(f"${ENV_VAR}={value!r} is not one of {BACKENDS}: use one of those, or unset it")
+        requested, source = value, f"${ENV_VAR}={value}"
+    wanted = None if requested is None else requested == "kernel"
+    return KernelAttention() if kernels.use_compiled(wanted, source, kernels.portable) else TorchAttention()

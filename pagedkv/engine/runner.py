@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.engine.scheduler import SchedulerOutput
 from pagedkv.kv.manager import KVCacheManager
 
@@ -33,15 +32,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> tuple[Tensor, list[tuple[int, int]]]:
-        """Run the model on one step.
+        """Run the model on one step, the scheduled requests in any order.
 
         Returns logits for the requests that reach the end of their known tokens this step (prefill done or
-        a decode), and for each of them ``(index in step.scheduled, rows)``: one logits row, or ``1 + k``
-        consecutive rows for a decode with ``k`` drafts. Unfinished prefill chunks sample nothing.
+        a decode), and for each of them ``(index in step.scheduled, rows)``, in row order: one logits row,
+        or ``1 + k`` consecutive rows for a decode with ``k`` drafts. Unfinished prefill chunks sample nothing.
 
-        A decode with drafts is, for attention, ``1 + k`` one-token requests over the same block table with
-        growing lengths: each row sees the drafts before it (all K/V are written before attention), and the
-        decode kernel serves them like any other decode.
+        The rows are laid out decodes first, as the attention metadata wants (the kernel takes them as one
+        slice). A decode with drafts is, for attention, ``1 + k`` one-token requests over the same block
+        table with growing lengths: each row sees the drafts before it (all K/V are written before
+        attention), and the decode kernel serves them like any other decode.
         """
         input_ids: list[int] = []
         positions: list[int] = []
@@ -50,7 +50,9 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_rows: list[int] = []
         sampled: list[tuple[int, int]] = []
-        for i, s in enumerate(step.scheduled):
+        decodes_first = sorted(range(len(step.scheduled)), key=lambda i: step.scheduled[i].num_new_tokens > 1)
+        for i in decodes_first:
+            s = step.scheduled[i]
             request = s.request
             start = request.num_computed_tokens
             end = start + s.num_scheduled_tokens
@@ -69,7 +71,7 @@ class ModelRunner:
             if start + s.num_new_tokens == request.num_tokens:
                 logits_rows.extend(range(len(input_ids) - rows, len(input_ids)))
                 sampled.append((i, rows))
-        meta = AttentionMetadata.build(block_tables, query_lens, seq_lens, self.kv.block_size)
+        meta = self.model.attention.build_metadata(block_tables, query_lens, seq_lens, self.kv.block_size)
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.int64),
             torch.tensor(positions, dtype=torch.int64),

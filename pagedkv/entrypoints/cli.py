@@ -8,8 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pagedkv.config import ATTENTION_BACKENDS, DTYPES, LINEAR_BACKENDS, EngineConfig
+from pagedkv.attention.backend import BACKENDS
+from pagedkv.config import EngineConfig
 from pagedkv.entrypoints.limits import ServerLimits
+from pagedkv.model.layers import WEIGHT_FORMATS
 
 BENCHMARKS = ("gather", "attention", "panel_linear", "throughput")
 
@@ -21,7 +23,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)"
     )
-    group.add_argument("--dtype", choices=DTYPES, default=defaults.dtype, help="weights of the linear layers")
+    group.add_argument("--weight-format", choices=WEIGHT_FORMATS, default=defaults.weight_format, help="linear weights")
+    group.add_argument("--dtype", default=None, help=argparse.SUPPRESS)  # deprecated: EngineConfig maps and warns
     group.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV block")
     group.add_argument(
         "--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (default: from --kv-cache-gb)"
@@ -35,16 +38,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     group.add_argument(
         "--attention-backend",
-        choices=ATTENTION_BACKENDS,
+        choices=BACKENDS,
         default=None,
         help="decode attention: compiled kernel or gather + SDPA (default: kernel if it builds)",
     )
     group.add_argument(
-        "--linear-backend",
-        choices=LINEAR_BACKENDS,
-        default=None,
-        help="linear layers: compiled panel GEMM or torch (default: panel if it builds)",
+        "--kernels", action=argparse.BooleanOptionalAction, default=None, help="compiled GEMM, norms, SiLU, RoPE"
     )
+    group.add_argument("--linear-backend", default=None, help=argparse.SUPPRESS)  # deprecated, like --dtype
     group.add_argument(
         "--num-speculative-tokens",
         type=int,
@@ -57,6 +58,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return {
         "model": args.model,
+        "weight_format": args.weight_format,
         "dtype": args.dtype,
         "block_size": args.block_size,
         "num_kv_blocks": args.num_kv_blocks,
@@ -66,6 +68,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": not args.no_prefix_caching,
         "attention_backend": args.attention_backend,
+        "kernels": args.kernels,
         "linear_backend": args.linear_backend,
         "num_speculative_tokens": args.num_speculative_tokens,
         "num_threads": args.threads,

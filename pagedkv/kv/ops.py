@@ -6,8 +6,8 @@ row ``block_table[p // block_size] * block_size + p % block_size`` -- its *slot*
 ``index_copy_`` (write) or one ``index_select`` (read), whatever the number of blocks: on the flat view by
 slot, or, for one request's whole context (``gather_kv``), on the block dimension by block id.
 
-``gather_kv_loop`` and ``gather_kv_indexed`` are the tutorial's two versions (step 14.2), kept as named
-references for tests and benchmarks; the engine never calls them.
+The tutorial's two slower versions and other helpers that only tests and benchmarks use are in
+:mod:`pagedkv.kv.reference`.
 """
 
 from __future__ import annotations
@@ -235,49 +235,11 @@ def gather_slots(pool: Tensor, slots: Tensor, out: Tensor | None = None) -> Tens
         ) from error
 
 
-def batched_gather_kv(
-    pool: Tensor,
-    block_tables: Sequence[Sequence[int]],
-    seq_lens: Sequence[int],
-    block_size: int,
-    out: Tensor | None = None,
-) -> Tensor:
-    """Read many requests at once: their contexts concatenated, ``[sum(seq_lens), H, D]``.
+def __getattr__(name: str):
+    """The tutorial's two versions live in :mod:`pagedkv.kv.reference`; they stay reachable by the names
+    the tutorial uses, ``ops.gather_kv_loop`` and ``ops.gather_kv_indexed``."""
+    if name in ("gather_kv_loop", "gather_kv_indexed"):
+        from pagedkv.kv import reference
 
-    Like ``gather_kv``, only the blocks that hold the first ``seq_lens[i]`` tokens are read, and they
-    are range-checked only when the read fails, to name the bad block id.
-    """
-    _check_pool(pool, block_size)
-    if len(block_tables) != len(seq_lens):
-        raise ValueError(f"{len(block_tables)} block tables but {len(seq_lens)} seq_lens: give one each")
-    slots = batched_slot_mapping(block_tables, [0] * len(seq_lens), list(seq_lens), block_size)
-    try:
-        return gather_slots(pool, slots, out=out)
-    except ValueError:
-        for table, seq_len in zip(block_tables, seq_lens, strict=True):
-            _check_blocks(table[: -(-seq_len // block_size)], pool.shape[0])
-        raise
-
-
-def gather_kv_loop(pool: Tensor, block_table: Sequence[int], seq_len: int, block_size: int) -> Tensor:
-    """Tutorial v1 (reference only): a Python loop over blocks, then ``torch.cat``."""
-    _check_seq_len(seq_len, len(block_table), block_size)
-    chunks = []
-    remaining = seq_len
-    for block_id in block_table:
-        if remaining <= 0:
-            break
-        take = min(block_size, remaining)
-        chunks.append(pool[int(block_id), :take])
-        remaining -= take
-    if not chunks:
-        return pool.new_empty((0, pool.shape[2], pool.shape[3]))
-    return torch.cat(chunks, dim=0)
-
-
-def gather_kv_indexed(pool: Tensor, block_table: Sequence[int], seq_len: int, block_size: int) -> Tensor:
-    """Tutorial v2 (reference only): two-tensor advanced indexing ``pool[blocks, offsets]``."""
-    _check_seq_len(seq_len, len(block_table), block_size)
-    positions = torch.arange(seq_len)
-    table = torch.as_tensor(list(block_table), dtype=torch.int64)
-    return pool[table[positions // block_size], positions % block_size]
+        return getattr(reference, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,11 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pagedkv.model import kernels, panel
+from pagedkv import kernels
+from pagedkv.model import panel
 from pagedkv.model.panel import PanelWeight
 
-# "q4": fp32 weights and math, read from the GGUF file's exact 4-bit (and 8-bit) codes (see Linear.use_panel)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "q4": torch.float32}
+# The weight formats (``EngineConfig.weight_format``) and the dtype each keeps its linear weights in. "gguf":
+# fp32 weights and math, computed from the GGUF file's exact 4-bit (and 8-bit) codes (see Linear.use_panel).
+WEIGHT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "gguf": torch.float32}
 # relative distance below a row's top bf16 logit within which the order is unreliable: two roundings of
 # 2**-8 each, plus the bf16 rounding of the GEMM's input, with room to spare
 _BF16_TIE_MARGIN = 2.0**-6
@@ -24,12 +26,6 @@ _BF16_TIE_MARGIN = 2.0**-6
 # ``x @ W^T`` at this model's shapes on the 2-core AVX2 dev machine (LM head, 32 rows: 25 vs 39 ms);
 # outside that range F.linear was as fast or faster. Re-measure with benchmarks/linear_layout.py on a new machine.
 _TRANSPOSED_GEMM_ROWS = (8, 512)
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {name!r}")
-    return DTYPES[name]
 
 
 def empty_parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:

@@ -1,9 +1,10 @@
 """The Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3), running on the paged KV pool.
 
 A forward pass takes one flat engine step -- ``T`` tokens of many requests, decodes and prefill chunks
-mixed -- plus its :class:`AttentionMetadata` and the per-layer pools. q/k/v and gate/up are fused into one
-GEMM each (fewer, larger GEMMs are what a CPU runs fast), RoPE rotates q and k together, and logits are
-computed only for the rows the caller samples from.
+mixed -- plus its :class:`AttentionMetadata` (built by the model's attention backend, the object every
+layer attends through) and the per-layer pools. q/k/v and gate/up are fused into one GEMM each (fewer,
+larger GEMMs are what a CPU runs fast), RoPE rotates q and k together, and logits are computed only for
+the rows the caller samples from.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from pagedkv import kernels
+from pagedkv.attention.backend import AttentionBackend
 from pagedkv.attention.metadata import AttentionMetadata
-from pagedkv.attention.paged import paged_attention
-from pagedkv.config import ATTENTION_BACKENDS
-from pagedkv.model import kernels
-from pagedkv.model.layers import Linear, LMHead, RMSNorm, SwiGLU, empty_parameter, torch_dtype
+from pagedkv.attention.paged import TorchAttention
+from pagedkv.model.layers import WEIGHT_FORMATS, Linear, LMHead, RMSNorm, SwiGLU, empty_parameter
 from pagedkv.model.rope import RotaryEmbedding, apply_rope
 from pagedkv.model.spec import ModelSpec
 
@@ -29,11 +30,11 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, backend: str) -> None:
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, attention: AttentionBackend) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.scale = spec.head_dim**-0.5
-        self.backend = backend
+        self.attention = attention
         self.eps = spec.rms_norm_eps
         self.qkv_proj = Linear(spec.hidden_size, spec.qkv_size, spec.qkv_bias, dtype)
         self.o_proj = Linear(spec.num_heads * spec.head_dim, spec.hidden_size, spec.o_bias, dtype)
@@ -52,23 +53,17 @@ class LlamaAttention(nn.Module):
         if self.qk_norm_weight is not None:
             qk = nn.functional.rms_norm(qk, (self.head_dim,), eps=self.eps) * self.qk_norm_weight
         qk = kernels.rope_(qk, cos, sin) if self.compiled and qk.stride(-1) == 1 else apply_rope(qk, cos, sin)
-        out = paged_attention(
-            qk[:, : self.num_heads],
-            qk[:, self.num_heads :],
-            qkv[:, split:],
-            *kv_cache,
-            meta,
-            self.scale,
-            self.backend,
+        out = self.attention.forward(
+            qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, split:], *kv_cache, meta, self.scale
         )
         return self.o_proj(out.view(tokens, -1))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, backend: str) -> None:
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, attention: AttentionBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = LlamaAttention(spec, dtype, backend)
+        self.self_attn = LlamaAttention(spec, dtype, attention)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = SwiGLU(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, dtype)
 
@@ -81,18 +76,19 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder + LM head. ``dtype`` is the linear layers' (and embedding's) weight dtype; all else is fp32."""
+    """Decoder + LM head. ``weight_format`` (one of ``WEIGHT_FORMATS``) sets the linear layers' (and the
+    embedding's) weight dtype; all else is fp32. ``attention`` serves every layer (default: torch's)."""
 
-    def __init__(self, hf_config: Any, dtype: str = "float32", attention_backend: str = "gather") -> None:
+    def __init__(
+        self, hf_config: Any, weight_format: str = "float32", attention: AttentionBackend | None = None
+    ) -> None:
         super().__init__()
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
         self.spec = spec = ModelSpec.from_hf_config(hf_config)
-        self.dtype = weight_dtype = torch_dtype(dtype)
-        self.attention_backend = attention_backend
+        self.dtype = weight_dtype = WEIGHT_FORMATS[weight_format]
+        self.attention = attention or TorchAttention()
         self.embed_tokens = empty_parameter(spec.vocab_size, spec.hidden_size, dtype=weight_dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(spec, weight_dtype, attention_backend) for _ in range(spec.num_layers)
+            LlamaDecoderLayer(spec, weight_dtype, self.attention) for _ in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = LMHead(spec.hidden_size, spec.vocab_size, False, weight_dtype)
@@ -100,18 +96,19 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_positions, spec.rope)
 
-    def use_compiled_kernels(self, quantized: bool) -> Counter[str]:
-        """Run norms, SiLU-and-multiply and RoPE on the compiled ops and pack every fp32 linear layer (LM head
-        included) for the panel GEMM; returns the number of linear layers per panel format.
+    def use_kernels(self, quantized: bool) -> Counter[str]:
+        """Run norms, SiLU-and-multiply and RoPE on the compiled ops and, where the panel GEMM builds, pack
+        every fp32 linear layer (LM head included) for it; returns the number of linear layers per panel format.
 
         With ``quantized``, a layer takes the checkpoint's own codes where they reproduce its weights
         exactly -- Q4_1 (0.75 bytes a weight) before Q8_0 (1.125) -- and fp32 panels otherwise.
         """
+        gemm = kernels.gemm.available()
         formats: Counter[str] = Counter()
         for module in self.modules():
             if isinstance(module, (RMSNorm, SwiGLU, LlamaAttention)):
                 module.compiled = True
-            if isinstance(module, Linear):
+            if gemm and isinstance(module, Linear):
                 chosen = next((f for f in _CODES if quantized and module.use_panel(f)), None)
                 if chosen is None and module.use_panel("fp32"):
                     chosen = "fp32"

@@ -25,7 +25,8 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from pagedkv.config import cache_root
+from pagedkv.attention.backend import AttentionBackend
+from pagedkv.extension import cache_root
 from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.spec import ModelSpec
 
@@ -67,12 +68,16 @@ def default_model_path() -> str:
 
 
 def load_model(
-    path: str | None, dtype: str = "float32", attention_backend: str = "gather", linear_backend: str = "torch"
+    path: str | None,
+    weight_format: str = "float32",
+    attention: AttentionBackend | None = None,
+    kernels: bool = False,
 ) -> LoadedModel:
-    """Model, tokenizer and config from ``path`` (None: the default model).
+    """Model, tokenizer and config from ``path`` (None: the default model), attending through ``attention``.
 
-    ``linear_backend="panel"`` packs the linear layers for the panel GEMM (``pagedkv.model.panel``); with
-    ``dtype="q4"`` they keep the checkpoint's exact 4-/8-bit codes instead of fp32.
+    ``kernels`` runs norms, SiLU and RoPE compiled and packs the linear layers for the panel GEMM
+    (``pagedkv.model.panel``) where it builds; with ``weight_format="gguf"`` they keep the checkpoint's exact
+    4-/8-bit codes instead of fp32.
     """
     source = Path(path or default_model_path()).expanduser()
     if source.is_file() and source.suffix == ".gguf":
@@ -82,15 +87,16 @@ def load_model(
     else:
         raise FileNotFoundError(f"no model at {str(source)!r}: expected {_ACCEPTED}")
     config = transformers.AutoConfig.from_pretrained(directory)
-    model = LlamaForCausalLM(config, dtype=dtype, attention_backend=attention_backend)
+    model = LlamaForCausalLM(config, weight_format, attention)
     model.load_weights(_read_safetensors(directory))
-    if linear_backend == "panel":
-        formats = model.use_compiled_kernels(quantized=dtype == "q4")
+    quantized = weight_format == "gguf"
+    if kernels:
+        formats = model.use_kernels(quantized)
         logger.info("panel linear layers: %s", dict(formats))
-        if dtype == "q4" and not formats.keys() & {"q4", "q8"}:
-            logger.warning("dtype 'q4': no linear layer of %s holds Q4_1/Q8_0-coded weights; running fp32", source)
-    elif dtype == "q4":
-        logger.warning("dtype 'q4' reads 4-bit codes through the panel linear backend, which is off: running fp32")
+        if quantized and not formats.keys() & {"q4", "q8"}:
+            logger.warning("weight_format 'gguf': no linear layer of %s runs on Q4_1/Q8_0 codes; running fp32", source)
+    elif quantized:
+        logger.warning("weight_format 'gguf' reads the file's codes through the panel GEMM, but kernels are off: fp32")
     model.eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     return LoadedModel(

@@ -13,7 +13,7 @@ The codes are recovered from the fp32 weights by :mod:`pagedkv.model.codes` and 
 weights bit for bit, not an approximation of them; a layer whose weights are not so coded stays fp32. Every
 output is summed in one fixed order, so the result of a row does not depend on the batch it runs in.
 
-The kernel is built on first use with the model's other compiled ops (see :mod:`pagedkv.model.kernels`).
+The kernel is built on first use, in its own library (see :mod:`pagedkv.kernels`): it needs AVX2.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pagedkv import extension
-from pagedkv.config import LINEAR_BACKENDS
-from pagedkv.model import codes, kernels
+from pagedkv import kernels
+from pagedkv.model import codes
 
 PANEL = 16
 GROUP = codes.GROUP
@@ -78,15 +77,6 @@ def _pad_rows(t: Tensor, n: int) -> Tensor:
 def _by_group(t: Tensor, n: int, groups: int) -> Tensor:
     """``[n, groups, g]`` -> ``[panels, groups, g, 16]``: per panel and group, each k's 16 outputs together."""
     return _pad_rows(t, n).view(-1, PANEL, groups, t.shape[-1]).permute(0, 2, 3, 1)
-
-
-ENV_VAR = "PAGEDKV_LINEAR_BACKEND"
-
-
-def resolve_backend(requested: str | None) -> str:
-    """``"panel"`` or ``"torch"``: the argument, else ``$PAGEDKV_LINEAR_BACKEND``, else the panel kernel if
-    it builds; asking for it where it cannot be built falls back to ``"torch"`` with a warning."""
-    return extension.choose_backend(requested, ENV_VAR, LINEAR_BACKENDS, kernels.available, "linear backend")
 
 
 def panel_linear(x: Tensor, weight: PanelWeight) -> Tensor:

@@ -13,30 +13,25 @@
 #include <cstdint>
 #include <optional>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
+using namespace pagedkv::simd;
+
 // Sum of squares of one row, with the residual add folded in when `residual` is given.
 float add_and_square_sum(float* row, const float* delta, int64_t size) {
+  Vec acc = {};
   int64_t i = 0;
-  float total = 0.0f;
-#if defined(__AVX2__) && defined(__FMA__)
-  __m256 acc = _mm256_setzero_ps();
-  for (; i + 8 <= size; i += 8) {
-    __m256 v = _mm256_loadu_ps(row + i);
+  for (; i + kLanes <= size; i += kLanes) {
+    Vec v = load(row + i);
     if (delta != nullptr) {
-      v = _mm256_add_ps(v, _mm256_loadu_ps(delta + i));
-      _mm256_storeu_ps(row + i, v);
+      v += load(delta + i);
+      store(row + i, v);
     }
-    acc = _mm256_fmadd_ps(v, v, acc);
+    acc += v * v;
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
-  for (float lane : lanes) total += lane;
-#endif
+  float total = hsum(acc);
   for (; i < size; ++i) {
     if (delta != nullptr) row[i] += delta[i];
     total += row[i] * row[i];
@@ -74,6 +69,6 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
 
 }  // namespace
 
-TORCH_LIBRARY(pagedkv_norm, lib) {
+TORCH_LIBRARY_FRAGMENT(pagedkv, lib) {
   lib.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual=None) -> Tensor", &rms_norm);
 }

@@ -7,7 +7,8 @@
 // An item handles all heads of its tokens, so it reads each block's K/V -- one contiguous stretch of the
 // pool -- front to back. Items run on torch's intra-op threads and pull work from an atomic counter, longest
 // first; long contexts are cut into partitions when the batch alone cannot keep the threads busy, and the
-// partial results are merged with log-sum-exp (vLLM's paged attention v2 idea).
+// partial results are merged with log-sum-exp (vLLM's paged attention v2 idea). Pools and queries are fp32,
+// as the engine keeps them (bf16 attention measured several times slower on CPU).
 //
 // Only the headers it needs (not torch/extension.h): the first build takes a third of the time.
 #include <ATen/Parallel.h>
@@ -15,28 +16,20 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <numeric>
-#include <type_traits>
 #include <vector>
+
+#include "simd.h"
 
 namespace {
 
-// Eight floats as a GCC/Clang vector type: portable code that compiles to packed instructions on any target.
-typedef float Vec __attribute__((vector_size(32)));
-typedef int32_t Int8 __attribute__((vector_size(32)));
-typedef uint32_t Word8 __attribute__((vector_size(32)));
-typedef uint16_t Half8 __attribute__((vector_size(16)));
-constexpr int64_t kLanes = 8;
+using namespace pagedkv::simd;
+
 constexpr int64_t kRegs = 8;             // vectors of q or of the accumulator held in registers at once
 constexpr int64_t kTile = 64;            // tokens per softmax update
 constexpr int64_t kMinPartition = 256;   // shorter partitions cost more to merge than they gain
@@ -45,35 +38,6 @@ constexpr int64_t kItemsPerThread = 8;   // enough items per thread for the dyna
 // step runs on the calling thread: a second thread would save tens of microseconds on an idle machine,
 // but waiting for it to be scheduled costs milliseconds when the cores are busy.
 constexpr int64_t kWorkPerThread = int64_t{1} << 20;
-
-inline Vec splat(float x) { return Vec{x, x, x, x, x, x, x, x}; }
-inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
-inline float to_float(float x) { return x; }
-inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
-
-inline Vec load(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-// bf16 is the top half of an fp32: widen the 16-bit words and shift them up. GCC widens a vector type in
-// two halves, so AVX2 gets the one-instruction widening explicitly.
-inline Vec load(const at::BFloat16* p) {
-#if defined(__AVX2__)
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return reinterpret_cast<Vec>(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-#else
-  Half8 h;
-  std::memcpy(&h, p, sizeof(h));
-  const Word8 w = __builtin_convertvector(h, Word8) << 16;
-  Vec v;
-  std::memcpy(&v, &w, sizeof(v));
-  return v;
-#endif
-}
-
-inline float hsum(Vec v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
 // {hsum(v[0]), ..., hsum(v[7])} as a transpose-and-add tree: 7 adds for 8 sums instead of 7 per sum.
 inline Vec hsum8(const Vec* v) {
@@ -94,29 +58,10 @@ inline Vec hsum8(const Vec* v) {
 #endif
 }
 
-// exp(x) for x <= 0 (scores minus their running max): 2^n * poly(r) with x = n ln2 + r and Cephes' expf
-// polynomial, relative error ~1e-7. Inputs below -87 are clamped: their weight (< 1e-37) is nothing next to
-// the max's weight of 1.
-inline Vec exp_nonpositive(Vec x) {
-  const Vec lo = splat(-87.0f), round = splat(12582912.0f);  // adding 1.5 * 2^23 rounds to an integer
-  x = x < lo ? lo : x;
-  const Vec n = (x * 1.44269504088896341f + round) - round;
-  const Vec r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  Vec p = splat(1.9875691500e-4f);
-  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    p = p * r + c;
-  p = p * r * r + r + 1.0f;
-  const Int8 bits = (__builtin_convertvector(n, Int8) + 127) << 23;
-  Vec two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return p * two_n;
-}
-
-template <typename T>
 struct Problem {
-  const float* q;  // [batch, q_heads, dim], fp32
-  const T* k;      // pools [num_blocks, block_size, kv_heads, dim]
-  const T* v;
+  const float* q;  // [batch, q_heads, dim]
+  const float* k;  // pools [num_blocks, block_size, kv_heads, dim]
+  const float* v;
   const int64_t* tables;  // [batch, max_blocks]
   const std::vector<int64_t>& lens;
   int64_t q_heads, kv_heads, group, dim, block_size, max_blocks;
@@ -130,14 +75,13 @@ struct Item {
 // One worker's state for one item: scaled queries, per query head accumulator, max and sum, and per tile
 // the pool offsets of its tokens (this tile's and the next one's), its K/V rows and its scores.
 struct Scratch {
-  std::vector<float> q, acc, m, l, scores, k_buf, v_buf;
+  std::vector<float> q, acc, m, l, scores;
   std::vector<int64_t> offsets, next_offsets;
   std::vector<const float*> k_rows, v_rows;
   std::vector<Vec> partial;
-  Scratch(int64_t heads, int64_t dim, bool convert)
-      : q(heads * dim), acc(heads * dim), m(heads), l(heads), scores(kTile),
-        k_buf(convert ? kTile * dim : 0), v_buf(convert ? kTile * dim : 0), offsets(kTile),
-        next_offsets(kTile), k_rows(kTile), v_rows(kTile), partial(kTile) {}
+  Scratch(int64_t heads, int64_t dim)
+      : q(heads * dim), acc(heads * dim), m(heads), l(heads), scores(kTile), offsets(kTile), next_offsets(kTile),
+        k_rows(kTile), v_rows(kTile), partial(kTile) {}
 };
 
 // scores[i] = q . k[i][0, dim) for i < n. The query stays in registers, kRegs vectors at a time, and each
@@ -198,12 +142,12 @@ inline void softmax_update(float* s, int64_t n, float& m, float& l, float* acc, 
   }
   float m_new = max[0];
   for (int j = 1; j < kLanes; ++j) m_new = std::max(m_new, max[j]);
-  for (int64_t i = 0; i < padded; i += kLanes) store(s + i, exp_nonpositive(load(s + i) - m_new));
+  for (int64_t i = 0; i < padded; i += kLanes) store(s + i, vexp(load(s + i) - m_new));
   std::fill(s + n, s + padded, 0.0f);
   Vec sum = {};
   for (int64_t i = 0; i < padded; i += kLanes) sum += load(s + i);
   if (m_new > m) {
-    const float alpha = exp_nonpositive(splat(m - m_new))[0];
+    const float alpha = vexp(splat(m - m_new))[0];
     for (int64_t d = 0; d < dim; ++d) acc[d] *= alpha;
     l *= alpha;
     m = m_new;
@@ -211,30 +155,11 @@ inline void softmax_update(float* s, int64_t n, float& m, float& l, float* acc, 
   l += hsum(sum);
 }
 
-// Point at one KV head's rows of a tile: in place for fp32 pools; bf16 rows are widened once into a buffer
-// here rather than once per query head of the group.
-inline void tile_rows(const float* pool, const int64_t* offsets, int64_t n, int64_t, float*,
-                      const float** rows) {
-  for (int64_t i = 0; i < n; ++i) rows[i] = pool + offsets[i];
-}
-
-inline void tile_rows(const at::BFloat16* pool, const int64_t* offsets, int64_t n, int64_t dim, float* buf,
-                      const float** rows) {
-  for (int64_t i = 0; i < n; ++i) {
-    const at::BFloat16* src = pool + offsets[i];
-    float* dst = buf + i * dim;
-    int64_t d = 0;
-    for (; d + kLanes <= dim; d += kLanes) store(dst + d, load(src + d));
-    for (; d < dim; ++d) dst[d] = to_float(src[d]);
-    rows[i] = dst;
-  }
-}
-
 // Attend all query heads of item.request over tokens [item.begin, item.end), leaving the unnormalised
 // accumulators, maxima and sums in `s`. kDim > 0 fixes the head dim at compile time. A tile spans blocks
 // (up to kTile tokens), so the per-tile softmax work is amortised over more tokens than one block holds.
-template <typename T, int kDim>
-void attend(const Problem<T>& pr, const Item& item, Scratch& s) {
+template <int kDim>
+void attend(const Problem& pr, const Item& item, Scratch& s) {
   const int64_t dim = kDim > 0 ? kDim : pr.dim, bs = pr.block_size;
   const int64_t row = pr.kv_heads * dim;  // pool elements per token
   const float* q = pr.q + item.request * pr.q_heads * dim;
@@ -259,12 +184,14 @@ void attend(const Problem<T>& pr, const Item& item, Scratch& s) {
       // While this head's rows are used, ask for the next tile's: its blocks are scattered, so the hardware
       // prefetcher cannot guess them, but the block table can.
       for (int64_t i = 0; i < n_next; ++i)
-        for (int64_t d = 0; d < dim; d += 64 / sizeof(T)) {
+        for (int64_t d = 0; d < dim; d += 64 / sizeof(float)) {
           __builtin_prefetch(pr.k + s.next_offsets[i] + h * dim + d);
           __builtin_prefetch(pr.v + s.next_offsets[i] + h * dim + d);
         }
-      tile_rows(pr.k + h * dim, s.offsets.data(), n, dim, s.k_buf.data(), s.k_rows.data());
-      tile_rows(pr.v + h * dim, s.offsets.data(), n, dim, s.v_buf.data(), s.v_rows.data());
+      for (int64_t i = 0; i < n; ++i) {
+        s.k_rows[i] = pr.k + s.offsets[i] + h * dim;
+        s.v_rows[i] = pr.v + s.offsets[i] + h * dim;
+      }
       for (int64_t head = h * pr.group; head < (h + 1) * pr.group; ++head) {
         float* acc = s.acc.data() + head * dim;
         qk_scores<kDim>(s.scores.data(), s.partial.data(), s.q.data() + head * dim, s.k_rows.data(), n, dim);
@@ -288,8 +215,8 @@ int64_t choose_partition(int64_t total_tokens, int64_t threads, int64_t block_si
   return (size + block_size - 1) / block_size * block_size;
 }
 
-template <typename T, int kDim>
-void run(const Problem<T>& pr, int64_t partition, int64_t threads, float* out) {
+template <int kDim>
+void run(const Problem& pr, int64_t partition, int64_t threads, float* out) {
   const int64_t dim = pr.dim, heads = pr.q_heads, batch = static_cast<int64_t>(pr.lens.size());
   std::vector<Item> items;
   std::vector<int64_t> first_slot(batch + 1, 0);  // partitions of request b: slots [first_slot[b], [b + 1])
@@ -308,10 +235,10 @@ void run(const Problem<T>& pr, int64_t partition, int64_t threads, float* out) {
   std::atomic<int64_t> next{0};
   const auto num_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, std::min(threads, num_items), 1, [&](int64_t, int64_t) {
-    Scratch s(heads, dim, !std::is_same_v<T, float>);
+    Scratch s(heads, dim);
     for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
       const Item& it = items[i];
-      attend<T, kDim>(pr, it, s);
+      attend<kDim>(pr, it, s);
       if (it.slot >= 0) {
         std::copy(s.acc.begin(), s.acc.end(), part_acc.begin() + it.slot * heads * dim);
         std::copy(s.m.begin(), s.m.end(), part_m.begin() + it.slot * heads);
@@ -344,16 +271,15 @@ void run(const Problem<T>& pr, int64_t partition, int64_t threads, float* out) {
   });
 }
 
-template <typename T>
-void dispatch_dim(const Problem<T>& pr, int64_t partition_tokens, float* out) {
+void dispatch_dim(const Problem& pr, int64_t partition_tokens, float* out) {
   const int64_t tokens = std::accumulate(pr.lens.begin(), pr.lens.end(), int64_t{0});
   const int64_t threads = std::clamp<int64_t>(tokens * pr.q_heads * pr.dim / kWorkPerThread, 1,
                                               std::max(at::get_num_threads(), 1));
   const int64_t partition = choose_partition(tokens, threads, pr.block_size, partition_tokens);
   switch (pr.dim) {
-    case 64: return run<T, 64>(pr, partition, threads, out);
-    case 128: return run<T, 128>(pr, partition, threads, out);
-    default: return run<T, 0>(pr, partition, threads, out);
+    case 64: return run<64>(pr, partition, threads, out);
+    case 128: return run<128>(pr, partition, threads, out);
+    default: return run<0>(pr, partition, threads, out);
   }
 }
 
@@ -365,9 +291,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
   TORCH_CHECK_VALUE(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
                     "q must be contiguous fp32 [B, Hq, D]");
   TORCH_CHECK_VALUE(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.is_contiguous() &&
-                        v_pool.is_contiguous() && k_pool.scalar_type() == v_pool.scalar_type() &&
-                        (k_pool.scalar_type() == at::kFloat || k_pool.scalar_type() == at::kBFloat16),
-                    "pools must be contiguous [num_blocks, block_size, Hkv, D], both fp32 or both bf16");
+                        v_pool.is_contiguous() && k_pool.scalar_type() == at::kFloat &&
+                        v_pool.scalar_type() == at::kFloat,
+                    "pools must be contiguous fp32 [num_blocks, block_size, Hkv, D]");
   TORCH_CHECK_VALUE(q.size(2) == k_pool.size(3) && q.size(1) % k_pool.size(2) == 0,
                     "q [B, Hq, D] needs the pool's D and Hq a multiple of its Hkv");
   const auto is_index = [&](const at::Tensor& t, int64_t dims) {
@@ -390,24 +316,15 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
   auto out = at::empty_like(q);
   if (batch == 0) return out;
   const int64_t kv_heads = k_pool.size(2), q_heads = q.size(1), dim = q.size(2);
-  const auto solve = [&](auto* pool_type) {
-    using T = std::remove_pointer_t<decltype(pool_type)>;
-    const auto fscale = static_cast<float>(scale);
-    const Problem<T> pr{q.data_ptr<float>(), k_pool.data_ptr<T>(), v_pool.data_ptr<T>(), tables, lens,
-                        q_heads, kv_heads, q_heads / kv_heads, dim, bs, max_blocks, fscale};
-    dispatch_dim(pr, partition_tokens, out.data_ptr<float>());
-  };
-  if (k_pool.scalar_type() == at::kFloat) {
-    solve(static_cast<float*>(nullptr));
-  } else {
-    solve(static_cast<at::BFloat16*>(nullptr));
-  }
+  const Problem pr{q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), tables, lens,
+                   q_heads, kv_heads, q_heads / kv_heads, dim, bs, max_blocks, static_cast<float>(scale)};
+  dispatch_dim(pr, partition_tokens, out.data_ptr<float>());
   return out;
 }
 
-// torch.ops.pagedkv.paged_decode: q fp32 [B, Hq, D] -> fp32 [B, Hq, D]; partition_tokens <= 0 picks the
-// context partition size from the thread count.
-TORCH_LIBRARY(pagedkv, m) {
+// torch.ops.pagedkv.paged_decode: q [B, Hq, D] -> [B, Hq, D]; partition_tokens <= 0 picks the context
+// partition size from the thread count.
+TORCH_LIBRARY_FRAGMENT(pagedkv, m) {
   m.def("paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor seq_lens, "
         "float scale, int partition_tokens) -> Tensor",
         &paged_decode);

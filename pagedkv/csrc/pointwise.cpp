@@ -14,42 +14,18 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
-#if defined(__AVX2__) && defined(__FMA__)
-// e^x for eight floats, |relative error| ~1e-7 (Cephes' expf: x = n ln2 + r, e^r by a degree-6
-// polynomial, 2^n by building the exponent bits). Inputs are clamped to +-88, where e^x still fits a float.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.0f)), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-#endif
+using namespace pagedkv::simd;
 
 void silu_mul_row(const float* gate, const float* up, float* out, int64_t size) {
   int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  const __m256 one = _mm256_set1_ps(1.0f);
-  for (; i + 8 <= size; i += 8) {
-    const __m256 g = _mm256_loadu_ps(gate + i);
-    const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
+  for (; i + kLanes <= size; i += kLanes) {
+    const Vec g = load(gate + i);
+    store(out + i, g * (1.0f / (1.0f + vexp(-g))) * load(up + i));
   }
-#endif
   for (; i < size; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 
@@ -98,7 +74,7 @@ at::Tensor& rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_si
 
 }  // namespace
 
-TORCH_LIBRARY(pagedkv_pointwise, lib) {
+TORCH_LIBRARY_FRAGMENT(pagedkv, lib) {
   lib.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   lib.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin_signed) -> Tensor(a!)", &rope_);
 }

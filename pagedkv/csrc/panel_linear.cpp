@@ -30,7 +30,7 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #else
-#error "panel_linear needs AVX2 and FMA (x86-64-v3); the engine falls back to torch's GEMM without them"
+#error "panel_linear needs AVX2 and FMA (x86-64-v3): without them only this library is lost, torch runs the GEMM"
 #endif
 
 namespace {
@@ -192,6 +192,6 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
 
 }  // namespace
 
-TORCH_LIBRARY(pagedkv_panel, lib) {
+TORCH_LIBRARY_FRAGMENT(pagedkv, lib) {
   lib.def("panel_linear(Tensor x, Tensor packed, int n, int k, int format) -> Tensor", &panel_linear);
 }

@@ -1,0 +1,48 @@
+// Eight floats as a GCC/Clang vector type, shared by the portable ops (decode attention, RMSNorm, SiLU).
+//
+// Written once against the compiler's vector extension rather than against an instruction set: with
+// -march=native it becomes AVX2/AVX-512 code on x86 and NEON on ARM, and plain SSE2 pairs elsewhere, so the
+// library that uses it builds on any CPU. Only the panel GEMM (panel_linear.cpp) is written for AVX2.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace pagedkv::simd {
+
+typedef float Vec __attribute__((vector_size(32)));
+typedef int32_t Int8 __attribute__((vector_size(32)));
+constexpr int64_t kLanes = 8;
+
+inline Vec splat(float x) { return Vec{x, x, x, x, x, x, x, x}; }
+
+inline Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float hsum(Vec v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+// e^x per lane, relative error ~1e-7: x = n ln2 + r, e^r by Cephes' expf polynomial, 2^n built from exponent
+// bits. x is clamped to [-87, 88], where 2^n stays a normal float: below, e^x (< 1e-37) is as good as 0 next
+// to anything it is added to (a softmax's max weight of 1, silu's 1 + e^-x); above, it would overflow.
+inline Vec vexp(Vec x) {
+  const Vec lo = splat(-87.0f), hi = splat(88.0f), round = splat(12582912.0f);  // + 1.5 * 2^23 rounds to an int
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const Vec n = (x * 1.44269504088896341f + round) - round;
+  const Vec r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  Vec p = splat(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = p * r + c;
+  p = p * r * r + r + 1.0f;
+  const Int8 bits = (__builtin_convertvector(n, Int8) + 127) << 23;
+  Vec two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
+}  // namespace pagedkv::simd

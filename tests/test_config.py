@@ -1,0 +1,81 @@
+"""EngineConfig: every field documented for the CLI generator, allowed values checked once, and the old option
+names (``dtype``, ``linear_backend``) still working for one release, with a DeprecationWarning."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from pagedkv import LLM
+from pagedkv.attention.backend import BACKENDS
+from pagedkv.config import EngineConfig
+from pagedkv.entrypoints.cli import add_engine_args, engine_kwargs
+from pagedkv.model.layers import WEIGHT_FORMATS
+
+
+def test_every_field_says_what_it_does():
+    for f in dataclasses.fields(EngineConfig):
+        assert f.metadata.get("help"), f"EngineConfig.{f.name} has no help text"
+    choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(EngineConfig) if "choices" in f.metadata}
+    assert choices == {"weight_format": tuple(WEIGHT_FORMATS), "attention_backend": BACKENDS}
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"weight_format": "q4"}, r"weight_format must be one of \('float32', 'bfloat16', 'gguf'\)"),
+        ({"attention_backend": "flash"}, r"attention_backend must be one of \('kernel', 'gather'\)"),
+        ({"kernels": "panel"}, "kernels must be True, False or None"),
+        ({"dtype": "fp16"}, "dtype must be one of"),
+        ({"linear_backend": "mkl"}, "linear_backend must be one of"),
+    ],
+)
+def test_bad_values_are_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**options)
+
+
+@pytest.mark.parametrize(
+    ("old", "weight_format", "kernels"),
+    [
+        ({"dtype": "q4"}, "gguf", None),
+        ({"dtype": "bfloat16"}, "bfloat16", None),
+        ({"linear_backend": "panel"}, "float32", True),
+        ({"linear_backend": "torch"}, "float32", False),
+        ({"dtype": "q4", "weight_format": "gguf", "linear_backend": "torch", "kernels": False}, "gguf", False),
+    ],
+)
+def test_deprecated_names_map_to_the_new_fields(old, weight_format, kernels):
+    with pytest.warns(DeprecationWarning, match="is deprecated: use"):
+        config = EngineConfig(**old)
+    assert (config.weight_format, config.kernels) == (weight_format, kernels)
+    assert config.dtype is None and config.linear_backend is None  # one source of truth after mapping
+
+
+def test_deprecated_names_that_contradict_the_new_ones_are_refused():
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="contradicts weight_format='bfloat16'"):
+        EngineConfig(dtype="q4", weight_format="bfloat16")
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="contradicts kernels=True"):
+        EngineConfig(linear_backend="torch", kernels=True)
+
+
+def test_llm_still_takes_the_old_names():
+    """``LLM(dtype="q4")`` reaches EngineConfig, which maps it (the bad block count stops it before a load)."""
+    with pytest.warns(DeprecationWarning) as warned, pytest.raises(ValueError, match="num_kv_blocks"):
+        LLM(dtype="q4", linear_backend="panel", num_kv_blocks=0)
+    assert [str(w.message) for w in warned] == [
+        "dtype='q4' is deprecated: use weight_format='gguf'",
+        "linear_backend='panel' is deprecated: use kernels=True",
+    ]
+
+
+def test_cli_options_new_and_old():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = EngineConfig(**engine_kwargs(parser.parse_args(["--weight-format", "gguf", "--no-kernels"])))
+    assert (config.weight_format, config.kernels) == ("gguf", False)
+    with pytest.warns(DeprecationWarning):
+        config = EngineConfig(**engine_kwargs(parser.parse_args(["--dtype", "q4", "--linear-backend", "panel"])))
+    assert (config.weight_format, config.kernels) == ("gguf", True)
