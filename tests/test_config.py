@@ -79,3 +79,21 @@ def test_cli_options_new_and_old():
     with pytest.warns(DeprecationWarning):
         config = EngineConfig(**engine_kwargs(parser.parse_args(["--dtype", "q4", "--linear-backend", "panel"])))
     assert (config.weight_format, config.kernels) == ("gguf", True)
+
+
+def test_serve_help_lists_every_engine_config_field_and_parses_back():
+    from dataclasses import fields
+
+    from pagedkv.entrypoints.cli import build_parser, engine_kwargs
+
+    parser = build_parser()
+    serve = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith("serve"))
+    help_text = serve.format_help()
+    for f in fields(EngineConfig):
+        if not f.metadata.get("deprecated"):
+            assert "--" + f.name.replace("_", "-") in help_text, f.name
+    args = parser.parse_args(["serve", "--threads", "1", "--no-prefix-caching", "--max-num-seqs", "3"])
+    kwargs = engine_kwargs(args)
+    assert set(kwargs) == {f.name for f in fields(EngineConfig)}
+    config = EngineConfig(**kwargs)
+    assert (config.num_threads, config.enable_prefix_caching, config.max_num_seqs) == (1, False, 3)

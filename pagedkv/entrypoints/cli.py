@@ -6,73 +6,47 @@ import argparse
 import logging
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
-from pagedkv.attention.backend import BACKENDS
 from pagedkv.config import EngineConfig
 from pagedkv.entrypoints.limits import ServerLimits
-from pagedkv.model.layers import WEIGHT_FORMATS
 
 BENCHMARKS = ("gather", "attention", "panel_linear", "throughput")
 
 
+# Earlier, shorter spellings of some options; they stay as aliases of the generated ones.
+FLAG_ALIASES = {"kv_cache_memory_gb": ("--kv-cache-gb",), "num_threads": ("--threads",)}
+_TYPES = {"int": int, "float": float, "str": str}
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine options shared by every command that loads a model."""
-    defaults = EngineConfig()
+    """One option per EngineConfig field, generated from the field: its name, default, help and choices.
+
+    ``--max-num-seqs`` sets ``max_num_seqs``; a bool field is ``--x / --no-x``; deprecated fields are
+    accepted but hidden. So ``--help`` lists every engine setting and a new field needs no CLI code.
+    """
     group = parser.add_argument_group("engine")
+    for f in fields(EngineConfig):
+        flags = ("--" + f.name.replace("_", "-"), *FLAG_ALIASES.get(f.name, ()))
+        help_text = argparse.SUPPRESS if f.metadata.get("deprecated") else f.metadata["help"]
+        kind = str(f.type).split("|")[0].strip()
+        options: dict = {"dest": f.name, "default": f.default, "help": help_text}
+        if kind == "bool":
+            options["action"] = argparse.BooleanOptionalAction
+        else:
+            options["type"] = _TYPES[kind]
+            if "choices" in f.metadata:
+                options["choices"] = f.metadata["choices"]
+        group.add_argument(*flags, **options)
+    # kept from before the options were generated: the common way to turn the prefix cache off
     group.add_argument(
-        "--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)"
+        "--no-prefix-caching", dest="enable_prefix_caching", action="store_false", help=argparse.SUPPRESS
     )
-    group.add_argument("--weight-format", choices=WEIGHT_FORMATS, default=defaults.weight_format, help="linear weights")
-    group.add_argument("--dtype", default=None, help=argparse.SUPPRESS)  # deprecated: EngineConfig maps and warns
-    group.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV block")
-    group.add_argument(
-        "--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (default: from --kv-cache-gb)"
-    )
-    group.add_argument("--kv-cache-gb", type=float, default=defaults.kv_cache_memory_gb, help="KV pool memory")
-    group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="requests per step")
-    group.add_argument(
-        "--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens, help="tokens per step"
-    )
-    group.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    group.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
-    group.add_argument(
-        "--attention-backend",
-        choices=BACKENDS,
-        default=None,
-        help="decode attention: compiled kernel or gather + SDPA (default: kernel if it builds)",
-    )
-    group.add_argument(
-        "--kernels", action=argparse.BooleanOptionalAction, default=None, help="compiled GEMM, norms, SiLU, RoPE"
-    )
-    group.add_argument("--linear-backend", default=None, help=argparse.SUPPRESS)  # deprecated, like --dtype
-    group.add_argument(
-        "--num-speculative-tokens",
-        type=int,
-        default=defaults.num_speculative_tokens,
-        help="prompt-lookup drafts per greedy decode step (0 = off)",
-    )
-    group.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {
-        "model": args.model,
-        "weight_format": args.weight_format,
-        "dtype": args.dtype,
-        "block_size": args.block_size,
-        "num_kv_blocks": args.num_kv_blocks,
-        "kv_cache_memory_gb": args.kv_cache_gb,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_model_len": args.max_model_len,
-        "enable_prefix_caching": not args.no_prefix_caching,
-        "attention_backend": args.attention_backend,
-        "kernels": args.kernels,
-        "linear_backend": args.linear_backend,
-        "num_speculative_tokens": args.num_speculative_tokens,
-        "num_threads": args.threads,
-    }
+    return {f.name: getattr(args, f.name) for f in fields(EngineConfig)}
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
