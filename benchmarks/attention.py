@@ -1,15 +1,20 @@
-"""Decode attention over the paged KV pool: the engine's two attention backends and the memory floor.
+"""Attention over the paged KV pool: the engine's two attention backends and the memory floor.
 
-For each model shape, batch size and context length (block_size 16, shuffled block tables) one layer of a
-decode step -- one query per request over its whole context -- runs through a backend's ``forward``, the
-call every layer makes (K/V write included); the step's metadata is built once outside the timing, as the
-engine builds it once for all layers:
+For each model shape (block_size 16, shuffled block tables) one layer of a step runs through a backend's
+``forward``, the call every layer makes (K/V write included); the step's metadata is built once outside the
+timing, as the engine builds it once for all layers. Two kinds of step:
 
-- ``kernel``  ``KernelAttention``: the compiled kernel walks the block table, K/V read in place (no copy)
+- decode: ``batch`` requests, one new query each over its whole ``context``, for several batches and contexts
+- prefill: one prompt of ``context`` tokens as one chunk, every token a causal query
+
+and three columns:
+
+- ``kernel``  ``KernelAttention``: the compiled kernel, every row of the step in one call, K/V read in place
 - ``gather``  ``TorchAttention``: one ``index_select`` of every context, then SDPA per request
 - ``floor``   the memory floor: the bytes of K/V the step must read / memcpy bandwidth. The bandwidth is
               measured in every row, interleaved with the candidates, by copying a 64 MiB tensor into a
               preallocated one (``clone()`` would also pay first-touch page faults for its fresh output).
+              A prefill is compute-bound: its floor is far below either backend.
 
 Both candidates are checked to agree before they are timed.
 Run: ``python benchmarks/attention.py`` (``--quick`` for a few seconds, ``--json`` for machine output).
@@ -41,6 +46,7 @@ from pagedkv.kv import ops
 BLOCK_SIZE = 16
 BATCHES = (1, 8, 32)
 CONTEXTS = (128, 1024, 4096)
+PREFILLS = (512, 2048)  # prompt lengths, one request, the whole prompt in one chunk
 SHAPES = ((3, 9, 64), (8, 32, 128))  # (num_kv_heads, num_q_heads, head_dim): SmolLM2-135M, a Llama-8B-like
 METHODS = ("kernel", "gather", "floor")
 COPY_BYTES = 64 << 20
@@ -53,6 +59,7 @@ class Row:
     num_kv_heads: int
     num_q_heads: int
     head_dim: int
+    kind: str  # "decode" (one query per request) or "prefill" (one request, ``context`` queries)
     batch: int
     context: int
     bytes: int  # K and V the step reads
@@ -63,29 +70,31 @@ class Row:
     kernel_over_floor: float
 
 
-def make_step(kv_heads: int, q_heads: int, dim: int, batch: int, context: int, seed: int):
-    """Pools holding exactly the step's blocks, each request's table a random slice of a shuffle of them;
-    the new K/V are the pool's rows at each request's last position (writing them changes nothing)."""
+def make_step(kv_heads: int, q_heads: int, dim: int, batch: int, context: int, queries: int, seed: int):
+    """Pools holding exactly the step's blocks, each request's table a random slice of a shuffle of them, and
+    ``queries`` new rows per request; the new K/V are the pool's rows at those positions (writing them changes
+    nothing)."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_request = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks_per_request
     k_pool = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, dim, generator=gen)
     v_pool = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, dim, generator=gen)
     tables = torch.randperm(num_blocks, generator=gen).view(batch, blocks_per_request).tolist()
-    q = torch.randn(batch, q_heads, dim, generator=gen)
+    q = torch.randn(batch * queries, q_heads, dim, generator=gen)
     return q, k_pool, v_pool, tables
 
 
 def layer(backend, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: list, context: int):
-    """One layer's call of ``backend`` in a decode step, its metadata built once (as the engine does per step)."""
+    """One layer's call of ``backend`` in the step, its metadata built once (as the engine does per step)."""
     batch, dim = len(tables), q.shape[-1]
-    meta = backend.build_metadata(tables, [1] * batch, [context] * batch, BLOCK_SIZE)
+    meta = backend.build_metadata(tables, [q.shape[0] // batch] * batch, [context] * batch, BLOCK_SIZE)
     k, v = ops.gather_slots(k_pool, meta.slot_mapping), ops.gather_slots(v_pool, meta.slot_mapping)
     return lambda: backend.forward(q, k, v, k_pool, v_pool, meta, dim**-0.5)
 
 
-def time_row(kv_heads: int, q_heads: int, dim: int, batch: int, context: int, repeats: int | None) -> Row:
-    q, k_pool, v_pool, tables = make_step(kv_heads, q_heads, dim, batch, context, seed=batch)
+def time_row(kind: str, kv_heads: int, q_heads: int, dim: int, batch: int, context: int, repeats: int | None) -> Row:
+    queries = 1 if kind == "decode" else context
+    q, k_pool, v_pool, tables = make_step(kv_heads, q_heads, dim, batch, context, queries, seed=batch)
     src = torch.randn(COPY_BYTES // 4)
     dst = torch.empty_like(src)
     fns = {
@@ -110,6 +119,7 @@ def time_row(kv_heads: int, q_heads: int, dim: int, batch: int, context: int, re
         num_kv_heads=kv_heads,
         num_q_heads=q_heads,
         head_dim=dim,
+        kind=kind,
         batch=batch,
         context=context,
         bytes=kv_bytes,
@@ -121,18 +131,22 @@ def time_row(kv_heads: int, q_heads: int, dim: int, batch: int, context: int, re
     )
 
 
-def run(shapes, batches, contexts, repeats: int | None) -> list[Row]:
-    return [
-        time_row(kv_heads, q_heads, dim, batch, context, repeats)
-        for kv_heads, q_heads, dim in shapes
-        for batch in batches
-        for context in contexts
-    ]
+def run(shapes, batches, contexts, prefills, repeats: int | None) -> list[Row]:
+    rows = []
+    for kv_heads, q_heads, dim in shapes:
+        rows += [
+            time_row("decode", kv_heads, q_heads, dim, batch, context, repeats)
+            for batch in batches
+            for context in contexts
+        ]
+        rows += [time_row("prefill", kv_heads, q_heads, dim, 1, context, repeats) for context in prefills]
+    return rows
 
 
 def table_text(rows: list[Row], markdown: bool = False) -> str:
     headers = [
         "Hkv/Hq x D",
+        "step",
         "batch",
         "context",
         "MiB",
@@ -143,6 +157,7 @@ def table_text(rows: list[Row], markdown: bool = False) -> str:
     body = [
         [
             f"{r.num_kv_heads}/{r.num_q_heads}x{r.head_dim}",
+            r.kind,
             r.batch,
             r.context,
             r.bytes / 2**20,
@@ -156,11 +171,11 @@ def table_text(rows: list[Row], markdown: bool = False) -> str:
 
 
 def acceptance(rows: list[Row]) -> list[dict[str, object]]:
-    """Per shape: at batch 8 x 4096 the kernel is >= 1.5x gather and <= 2x the floor; at 1024 it is
-    never slower than gather."""
+    """Per shape, decode steps: at batch 8 x 4096 the kernel is >= 1.5x gather and <= 2x the floor; at 1024
+    it is never slower than gather."""
     out = []
     for shape in dict.fromkeys((r.num_kv_heads, r.num_q_heads, r.head_dim) for r in rows):
-        mine = [r for r in rows if (r.num_kv_heads, r.num_q_heads, r.head_dim) == shape]
+        mine = [r for r in rows if (r.num_kv_heads, r.num_q_heads, r.head_dim) == shape and r.kind == "decode"]
         main = [r for r in mine if r.batch == ACCEPT_BATCH and r.context == ACCEPT_CONTEXT]
         parity = [r.gather_over_kernel for r in mine if r.context == PARITY_CONTEXT]
         if not main:
@@ -183,18 +198,22 @@ def acceptance(rows: list[Row]) -> list[dict[str, object]]:
     return out
 
 
+def _step_name(r: Row) -> str:
+    return f"decode, batch {r.batch}" if r.kind == "decode" else "prefill of one prompt"
+
+
 def plot(rows: list[Row], path: str) -> None:
     plot_lines(
         path,
         panels_by(
             rows,
             METHODS,
-            lambda r: f"Hkv {r.num_kv_heads}, Hq {r.num_q_heads}, D {r.head_dim}, batch {r.batch}",
+            lambda r: f"Hkv {r.num_kv_heads}, Hq {r.num_q_heads}, D {r.head_dim}, {_step_name(r)}",
             lambda r: r.context,
         ),
         "context (tokens)",
         "µs per step (median)",
-        f"Paged decode attention, one layer (block_size {BLOCK_SIZE}, {torch.get_num_threads()} threads)",
+        f"Paged attention, one layer (block_size {BLOCK_SIZE}, {torch.get_num_threads()} threads)",
         ncols=3,
     )
 
@@ -208,14 +227,14 @@ def main(argv: list[str] | None = None) -> int:
     setup_threads(args.threads)
     if not kernels.portable.available():
         print(
-            "the C++ decode kernel could not be built (see the warning above): nothing to compare",
+            "the C++ attention kernel could not be built (see the warning above): nothing to compare",
             file=sys.stderr,
         )
         return 1
     if args.quick:
-        rows = run(SHAPES[:1], (ACCEPT_BATCH,), (PARITY_CONTEXT, ACCEPT_CONTEXT), args.repeats or 5)
+        rows = run(SHAPES[:1], (ACCEPT_BATCH,), (PARITY_CONTEXT, ACCEPT_CONTEXT), PREFILLS[:1], args.repeats or 5)
     else:
-        rows = run(SHAPES, BATCHES, CONTEXTS, args.repeats)
+        rows = run(SHAPES, BATCHES, CONTEXTS, PREFILLS, args.repeats)
     summary = {
         "benchmark": "attention",
         "unit": "us",
@@ -239,6 +258,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{'met' if a['met'] else 'NOT met'}",
             file=text_out,
         )
+    for r in rows:
+        if r.kind == "prefill":
+            print(
+                f"{r.num_kv_heads}/{r.num_q_heads}x{r.head_dim}, prefill of {r.context} tokens: "
+                f"kernel {r.times_us['kernel'] / 1e3:.1f} ms, gather {r.times_us['gather'] / 1e3:.1f} ms "
+                f"(gather/kernel {r.gather_over_kernel:.2f}x)",
+                file=text_out,
+            )
     finish_report(rows, summary, args, text_out, lambda: plot(rows, args.plot))
     return 0
 

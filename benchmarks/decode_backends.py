@@ -4,7 +4,8 @@
 
 Each backend gets a fresh engine and the same long prompts (distinct, so nothing is shared). Decode
 throughput counts the tokens after each request's first one, over the time from the last first token to
-the end, so the prefill (identical in both: gather + SDPA) is left out. Greedy outputs must be identical.
+the end, so the prefill is left out; it is reported on its own (``prefill_s``: start to the last first token;
+the kernel backend prefills on the kernel too, the gather one on SDPA). Greedy outputs must be identical.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def run(backend: str, args: argparse.Namespace) -> dict:
         "backend": llm.engine.attention.name,
         "prompt_tokens": sum(len(p) for p in prompts),
         "wall_s": round(end - start, 2),
+        "prefill_s": round(decode_start - start, 2),
         "decode_tok_s": round(decode_tokens / (end - decode_start), 1),
         "outputs": [o.token_ids for o in outputs],
     }
@@ -69,7 +71,10 @@ def main() -> None:
         return
     for name in ("kernel", "gather"):
         row = summary[name]
-        print(f"{name:>7}: decode {row['decode_tok_s']:7.1f} tok/s   wall {row['wall_s']:6.2f} s   ({row['backend']})")
+        print(
+            f"{name:>7}: decode {row['decode_tok_s']:7.1f} tok/s   prefill {row['prefill_s']:6.2f} s   "
+            f"wall {row['wall_s']:6.2f} s   ({row['backend']})"
+        )
     print(
         f"kernel / gather decode throughput: {summary['decode_speedup']}x; "
         f"greedy outputs identical: {summary['outputs_identical']}"

@@ -1,7 +1,7 @@
 """pagedkv's compiled CPU ops: two libraries, built on first use and cached per machine (:mod:`pagedkv.extension`).
 
-- :data:`portable` (``csrc/paged_decode.cpp``, ``rms_norm.cpp``, ``pointwise.cpp``, sharing ``csrc/simd.h``):
-  decode attention over the paged pool, RMSNorm with the residual add, SiLU-and-multiply, RoPE. Written
+- :data:`portable` (``csrc/paged_attention.cpp``, ``rms_norm.cpp``, ``pointwise.cpp``, sharing ``csrc/simd.h``):
+  attention over the paged pool, RMSNorm with the residual add, SiLU-and-multiply, RoPE. Written
   against the compiler's vector types, so it builds wherever a C++ compiler does.
 - :data:`gemm` (``csrc/panel_linear.cpp``): the panel GEMM, written for AVX2 + FMA. A CPU without them
   loses only this library: the linear layers run on torch's GEMM and everything else stays compiled.
@@ -109,9 +109,9 @@ def use_compiled(requested: bool | None, source: str, library: CompiledLibrary) 
 
 portable = CompiledLibrary(
     "pagedkv_ops",
-    [_CSRC / name for name in ("paged_decode.cpp", "rms_norm.cpp", "pointwise.cpp")],
+    [_CSRC / name for name in ("paged_attention.cpp", "rms_norm.cpp", "pointwise.cpp")],
     [_CSRC / "simd.h"],
-    what="compiled ops (decode attention, RMSNorm, SiLU, RoPE)",
+    what="compiled ops (paged attention, RMSNorm, SiLU, RoPE)",
     fallback="torch's ops run instead (attention_backend='gather', kernels=False skip the attempt)",
 )
 gemm = CompiledLibrary(
@@ -140,40 +140,47 @@ def use_kernels(requested: bool | None) -> bool:
     return on
 
 
-def paged_decode(
+def paged_attention(
     q: Tensor,
     k_pool: Tensor,
     v_pool: Tensor,
     block_tables: Tensor,
     seq_lens: Tensor,
+    query_start_loc: Tensor,
     scale: float,
-    partition_tokens: int = 0,
 ) -> Tensor:
-    """``softmax(q K^T * scale) V`` per request over positions ``[0, seq_len)``, K/V read in place.
+    """Causal ``softmax(q K^T * scale) V`` for every new row of a step, K/V read in place from the pool.
 
-    q ``[B, Hq, D]`` (any strides); pools ``[num_blocks, block_size, Hkv, D]``, contiguous; all fp32 (the
-    engine's KV dtype). ``block_tables [B, max_blocks]`` padded with 0; ``seq_lens [B] >= 1``. Query head
-    ``h`` uses KV head ``h // (Hq // Hkv)``. ``partition_tokens`` fixes the context partition size (tests);
-    ``<= 0`` chooses it from the thread count.
+    q ``[T, Hq, D]`` (rows may be strided, as the q heads of a fused qkv row are); pools ``[num_blocks,
+    block_size, Hkv, D]``, contiguous; all fp32 (the engine's KV dtype). Request ``b``'s rows are
+    ``q[qsl[b]:qsl[b + 1]]`` (``query_start_loc [B + 1]``, from 0 to ``T``); row ``i`` sits at position
+    ``seq_lens[b] - (qsl[b + 1] - i)`` and attends keys ``[0, position]``, whose K/V must be in the pool
+    already, its own included. ``block_tables [B, max_blocks]`` padded with 0. Query head ``h`` uses KV head
+    ``h // (Hq // Hkv)``. A decode is a request with one row.
+
+    Batch invariant: a row gets the same bits whatever else is in the call, however its request's rows are
+    split into calls, and on any thread count.
     """
     portable.require("use attention_backend='gather'")
     if q.dim() != 3 or k_pool.dim() != 4 or k_pool.shape != v_pool.shape:
         raise ValueError(
-            f"need q [B, Hq, D] and equal pools [num_blocks, block_size, Hkv, D], got q {tuple(q.shape)}, "
+            f"need q [T, Hq, D] and equal pools [num_blocks, block_size, Hkv, D], got q {tuple(q.shape)}, "
             f"k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}"
         )
     if not q.dtype == k_pool.dtype == v_pool.dtype == torch.float32:
         raise ValueError(f"q and the pools must be float32, got dtypes {q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
     if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
         raise ValueError("k_pool and v_pool must be contiguous: the kernel addresses them by flat slot")
-    return torch.ops.pagedkv.paged_decode(
-        _dense(q, torch.float32),
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # the kernel takes any row stride, nothing else
+        q = q.contiguous()
+    return torch.ops.pagedkv.paged_attention(
+        q,
         k_pool,
         v_pool,
         _dense(block_tables, torch.int64),
         _dense(seq_lens, torch.int64),
+        _dense(query_start_loc, torch.int64),
         float(scale),
-        int(partition_tokens),
     )
 
 

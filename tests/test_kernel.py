@@ -1,11 +1,13 @@
-"""The attention backends: the compiled decode kernel against the torch backend, both against naive math,
-through the same ``build_metadata`` + ``forward`` calls a layer makes; and the backend choice (argument /
-environment / fallback when the kernel cannot be built)."""
+"""The attention backends: the compiled paged attention kernel and the torch backend against a naive float64
+reference, through the same ``build_metadata`` + ``forward`` calls a layer makes; the kernel's batch invariance,
+bit for bit; its input checks; and the backend choice (argument / environment / fallback when the kernel cannot
+be built)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
 import time
 
@@ -22,6 +24,7 @@ from pagedkv.kv import ops
 HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
 needs_kernel = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler here: the kernel cannot be built")
 MIXED_LENS = [1, 15, 17, 100, 1000, 4095]  # 1 ... 4096, none a multiple of the block size
+PARTITION = 512  # the kernel's fixed partition length: contexts past it are cut and merged
 
 
 @pytest.fixture(scope="module")
@@ -31,126 +34,236 @@ def built() -> None:
         assert kernels.portable.available(), f"the kernel did not build: {kernels.portable.error}"
 
 
-def make_step(lens, kv_heads, group, dim, block_size=16, shared=False, seed=0):
-    """A pool bigger than needed, each request's blocks a shuffled pick of it, tables padded with 0.
+class Step:
+    """One layer's attention inputs for a step: a pool bigger than needed holding every request's whole
+    context (each request's blocks a shuffled pick of it), and the step's new rows: request ``i`` has
+    ``query_lens[i]`` rows, the last positions of its ``seq_lens[i]``. The new K/V a layer would write are
+    the pool's own rows at those positions, so writing them changes nothing.
 
     ``shared``: each request's first half of blocks is the longest request's (as prefix caching shares them).
     """
-    gen = torch.Generator().manual_seed(seed)
-    needs = [-(-n // block_size) for n in lens]
-    num_blocks = sum(needs) + 5
-    k_pool = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
-    v_pool = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, start = [], 0
-    for need in needs:
-        tables.append(order[start : start + need])
-        start += need
-    if shared:
-        donor = max(tables, key=len)
-        tables = [donor[: len(t) // 2] + t[len(t) // 2 :] for t in tables]
-    block_tables = ops.pad_block_tables(tables, width=max(needs) + 2)
-    q = torch.randn(len(lens), kv_heads * group, dim, generator=gen)
-    return q, k_pool, v_pool, block_tables, torch.tensor(lens, dtype=torch.int64)
+
+    def __init__(self, seq_lens, query_lens=None, kv_heads=3, group=3, dim=64, block_size=16, shared=False, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        self.seq_lens = list(seq_lens)
+        self.query_lens = [1] * len(self.seq_lens) if query_lens is None else list(query_lens)
+        self.block_size = block_size
+        needs = [-(-n // block_size) for n in self.seq_lens]
+        num_blocks = sum(needs) + 5
+        self.k_pool = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+        self.v_pool = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+        order = torch.randperm(num_blocks, generator=gen).tolist()
+        self.tables, start = [], 0
+        for need in needs:
+            self.tables.append(order[start : start + need])
+            start += need
+        if shared:
+            donor = max(self.tables, key=len)
+            self.tables = [donor[: len(t) // 2] + t[len(t) // 2 :] for t in self.tables]
+        self.q = torch.randn(sum(self.query_lens), kv_heads * group, dim, generator=gen)
+        self.scale = dim**-0.5
+
+    def rows(self, i: int) -> slice:
+        start = sum(self.query_lens[:i])
+        return slice(start, start + self.query_lens[i])
+
+    def sub(self, requests, query_lens=None, seq_lens=None, q=None) -> Step:
+        """The same pool, with the step's requests ``requests`` (indices into this step, any order), each with
+        ``query_lens`` rows ending at ``seq_lens`` (default: this step's), queries ``q`` (default: this step's)."""
+        other = object.__new__(Step)
+        other.__dict__.update(self.__dict__)
+        other.tables = [self.tables[i] for i in requests]
+        other.seq_lens = [self.seq_lens[i] for i in requests] if seq_lens is None else list(seq_lens)
+        other.query_lens = [self.query_lens[i] for i in requests] if query_lens is None else list(query_lens)
+        other.q = torch.cat([self.q[self.rows(i)] for i in requests]) if q is None else q
+        return other
 
 
-def decode(backend, q, k_pool, v_pool, block_tables, seq_lens, scale):
-    """One decode step of one layer through ``backend``, as the model runs it: the step's metadata, then
-    ``forward``. The new K/V are the pool's rows at each request's last position, so writing them changes
-    nothing."""
-    lens, block_size = seq_lens.tolist(), k_pool.shape[1]
-    tables = [block_tables[i, : -(-n // block_size)].tolist() for i, n in enumerate(lens)]
-    meta = backend.build_metadata(tables, [1] * len(lens), lens, block_size)
-    k, v = ops.gather_slots(k_pool, meta.slot_mapping), ops.gather_slots(v_pool, meta.slot_mapping)
-    return backend.forward(q, k, v, k_pool, v_pool, meta, scale)
+def attend(backend, step: Step) -> torch.Tensor:
+    """One layer's attention of ``step`` through ``backend``, as the model runs it: the step's metadata, then
+    ``forward`` (which writes the step's K/V first)."""
+    meta = backend.build_metadata(step.tables, step.query_lens, step.seq_lens, step.block_size)
+    k, v = ops.gather_slots(step.k_pool, meta.slot_mapping), ops.gather_slots(step.v_pool, meta.slot_mapping)
+    return backend.forward(step.q, k, v, step.k_pool, step.v_pool, meta, step.scale)
 
 
-def naive(q, k_pool, v_pool, block_tables, seq_lens, scale):
-    """Per request: the tutorial's loop gather, then softmax written out, in float64."""
-    block_size, kv_heads = k_pool.shape[1], k_pool.shape[2]
-    group = q.shape[1] // kv_heads
-    out = torch.empty(q.shape, dtype=torch.float64)
-    for i, length in enumerate(seq_lens.tolist()):
-        table = block_tables[i].tolist()
-        k = ops.gather_kv_loop(k_pool, table, length, block_size).double()
-        v = ops.gather_kv_loop(v_pool, table, length, block_size).double()
-        for head in range(q.shape[1]):
-            scores = k[:, head // group] @ q[i, head].double() * scale
-            weights = torch.exp(scores - scores.max())
-            out[i, head] = (weights / weights.sum()) @ v[:, head // group]
+def naive(step: Step) -> torch.Tensor:
+    """Row by row, in float64: the row's causal context read with the tutorial's loop gather, then
+    ``softmax(q K^T * scale) V`` written out."""
+    kv_heads = step.k_pool.shape[2]
+    group = step.q.shape[1] // kv_heads
+    out = torch.empty(step.q.shape, dtype=torch.float64)
+    row = 0
+    for table, query_len, seq_len in zip(step.tables, step.query_lens, step.seq_lens, strict=True):
+        k = ops.gather_kv_loop(step.k_pool, table, seq_len, step.block_size).double().repeat_interleave(group, 1)
+        v = ops.gather_kv_loop(step.v_pool, table, seq_len, step.block_size).double().repeat_interleave(group, 1)
+        for position in range(seq_len - query_len, seq_len):
+            scores = torch.einsum("hd,khd->hk", step.q[row].double(), k[: position + 1]) * step.scale
+            weights = torch.exp(scores - scores.amax(1, keepdim=True))
+            out[row] = torch.einsum("hk,khd->hd", weights / weights.sum(1, keepdim=True), v[: position + 1])
+            row += 1
     return out
+
+
+def kernel(step: Step) -> torch.Tensor:
+    """The raw op on ``step``, no K/V write."""
+    meta = KernelAttention().build_metadata(step.tables, step.query_lens, step.seq_lens, step.block_size)
+    return kernels.paged_attention(
+        step.q, step.k_pool, step.v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc, step.scale
+    )
+
+
+def with_threads(threads: int, step: Step) -> torch.Tensor:
+    """``kernel(step)`` on ``threads`` intra-op threads, the count restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return kernel(step)
+    finally:
+        torch.set_num_threads(before)
+
+
+# A mixed step: decodes and prefill chunks, some with earlier context, contexts across partition boundaries.
+MIXED_STEP = dict(seq_lens=[1, 40, 600, 1300, 2100, 77], query_lens=[1, 40, 1, 300, 70, 5])
 
 
 @pytest.mark.parametrize("kv_heads,group,dim", [(3, 3, 64), (2, 1, 128), (4, 4, 64), (8, 4, 128)])
 def test_torch_backend_matches_naive_math(kv_heads, group, dim):
-    step = make_step([1, 17, 300, 1000], kv_heads, group, dim, shared=True)
-    expected = naive(*step, scale=dim**-0.5)
-    torch.testing.assert_close(decode(TorchAttention(), *step, scale=dim**-0.5).double(), expected, atol=1e-5, rtol=0)
+    step = Step([1, 17, 300, 1000, 90], [1, 1, 1, 30, 90], kv_heads, group, dim, shared=True)
+    torch.testing.assert_close(attend(TorchAttention(), step).double(), naive(step), atol=1e-5, rtol=0)
 
 
 @needs_kernel
-@pytest.mark.parametrize("dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("kv_heads,group,dim", [(3, 3, 64), (2, 1, 128), (2, 4, 64), (8, 4, 128), (1, 7, 64)])
 @pytest.mark.parametrize("shared", [False, True])
-def test_kernel_matches_torch_backend(built, group, dim, shared):
-    step = make_step(MIXED_LENS, 2, group, dim, shared=shared, seed=group * dim)
-    got = decode(KernelAttention(), *step, scale=dim**-0.5)
-    assert got.dtype == torch.float32 and got.shape == step[0].shape
-    torch.testing.assert_close(got, decode(TorchAttention(), *step, scale=dim**-0.5), atol=1e-5, rtol=1e-5)
+def test_kernel_matches_naive_math(built, kv_heads, group, dim, shared):
+    step = Step(**MIXED_STEP, kv_heads=kv_heads, group=group, dim=dim, shared=shared, seed=group * dim)
+    got = attend(KernelAttention(), step)
+    assert got.dtype == torch.float32 and got.shape == step.q.shape
+    torch.testing.assert_close(got.double(), naive(step), atol=1e-5, rtol=0)
 
 
 @needs_kernel
-def test_kernel_matches_naive_math(built):
-    step = make_step([4095, 33, 1], 3, 3, 64, shared=True)
-    got = decode(KernelAttention(), *step, scale=0.125).double()
-    torch.testing.assert_close(got, naive(*step, scale=0.125), atol=1e-5, rtol=0)
+def test_kernel_matches_torch_backend_on_decodes(built):
+    step = Step(MIXED_LENS, kv_heads=2, group=3, seed=1)
+    torch.testing.assert_close(attend(KernelAttention(), step), attend(TorchAttention(), step), atol=1e-5, rtol=0)
 
 
 @needs_kernel
-@pytest.mark.parametrize("partition", [0, 16, 48, 256, 100_000])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_partitions_and_threads_agree(built, partition, threads):
-    """Contexts cut into partitions (merged by log-sum-exp) give the unsplit result, on any thread count."""
-    step = make_step(MIXED_LENS, 3, 3, 64, seed=7)
-    expected = decode(TorchAttention(), *step, scale=0.125)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = kernels.paged_decode(*step, scale=0.125, partition_tokens=partition)
-    finally:
-        torch.set_num_threads(before)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
-
-
-@needs_kernel
-@pytest.mark.parametrize("dim,block_size", [(80, 16), (36, 16), (64, 1), (64, 32), (128, 5)])
+@pytest.mark.parametrize("dim,block_size", [(80, 16), (36, 16), (64, 1), (64, 32), (128, 5), (8, 7), (4, 16)])
 def test_other_head_dims_and_block_sizes(built, dim, block_size):
-    step = make_step([1, 7, 70, 333], 2, 2, dim, block_size=block_size, seed=dim)
-    got = decode(KernelAttention(), *step, scale=dim**-0.5)
-    torch.testing.assert_close(got, decode(TorchAttention(), *step, scale=dim**-0.5), atol=1e-5, rtol=0)
+    """Head dims other than the compiled 64 and 128 (some not whole vectors), block sizes that do not divide
+    the partition, so tiles and partitions start mid-block."""
+    step = Step([1, 7, 70, 1100], [1, 7, 3, 600], 2, 2, dim, block_size=block_size, seed=dim)
+    torch.testing.assert_close(attend(KernelAttention(), step).double(), naive(step), atol=1e-5, rtol=0)
 
 
 @needs_kernel
 def test_strided_query(built):
-    _, k_pool, v_pool, tables, lens = make_step([5, 600], 2, 3, 64)
-    q = torch.randn(2, 12, 64)[:, ::2]  # non-contiguous, as the q heads of a fused qkv row are
-    got = kernels.paged_decode(q, k_pool, v_pool, tables, lens, 0.125)
-    torch.testing.assert_close(got, decode(TorchAttention(), q, k_pool, v_pool, tables, lens, 0.125), atol=1e-5, rtol=0)
+    """The layer hands q as a view of the fused qkv rows (row stride > Hq * D): read in place, same bits."""
+    step = Step([5, 600], [5, 20], kv_heads=2, group=3)
+    dense = kernel(step)
+    qkv = torch.cat([step.q, torch.randn(step.q.shape[0], 4, step.q.shape[2])], dim=1)
+    assert torch.equal(kernel(step.sub([0, 1], q=qkv[:, : step.q.shape[1]])), dense)
+    heads_apart = torch.stack([step.q, torch.randn(step.q.shape)], dim=2).flatten(1, 2)[:, ::2]  # copied first
+    assert torch.equal(kernel(step.sub([0, 1], q=heads_apart)), dense)
+
+
+# Batch invariance: a row's bits depend on its request's K/V and its position only.
+
+
+@needs_kernel
+@pytest.mark.parametrize("length,block_size", [(1300, 16), (1100, 5)])
+def test_chunking_does_not_change_a_bit(built, length, block_size):
+    """A whole prompt as one prefill chunk, as chunks of any sizes (one row ones included), and one row at a
+    time as decodes: the same bits for every row. The context crosses partition boundaries (at 512, 1024)."""
+    step = Step([length], [length], block_size=block_size, seed=3)
+    whole = kernel(step)
+    for sizes in ([1, 16, 300, 5, 200, 63, 64, 65], [511, 2, 511], [PARTITION + 1]):
+        sizes = sizes + [length - sum(sizes)]
+        ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+        chunks = [kernel(step.sub([0], [n], [end], step.q[end - n : end])) for n, end in zip(sizes, ends, strict=True)]
+        assert torch.equal(torch.cat(chunks), whole), sizes
+    one_by_one = [kernel(step.sub([0], [1], [p + 1], step.q[p : p + 1])) for p in range(length)]
+    assert torch.equal(torch.cat(one_by_one), whole)
+
+
+@needs_kernel
+def test_neighbours_and_order_do_not_change_a_bit(built):
+    """Each request alone, and in batches with others of many lengths (> 2 partitions too) in any order."""
+    step = Step(**MIXED_STEP, seed=4)
+    alone = [kernel(step.sub([i])) for i in range(len(step.seq_lens))]
+    assert torch.equal(kernel(step), torch.cat(alone))
+    rng = random.Random(0)
+    for _ in range(4):
+        order = rng.sample(range(len(step.seq_lens)), k=rng.randint(2, len(step.seq_lens)))
+        got = kernel(step.sub(order))
+        assert torch.equal(got, torch.cat([alone[i] for i in order])), order
+
+
+@needs_kernel
+def test_thread_count_does_not_change_a_bit(built):
+    """One thread or two: on a mixed step and on one long decode (its partitions shared out), both big enough
+    that two threads run, and on a small step, which stays on the calling thread."""
+    for seq_lens, query_lens in [(MIXED_STEP["seq_lens"], MIXED_STEP["query_lens"]), ([4000], [1]), ([300], [9])]:
+        step = Step(seq_lens, query_lens, seed=5)
+        assert torch.equal(with_threads(1, step), with_threads(2, step))
+
+
+@needs_kernel
+def test_engine_backend_is_the_kernel_bit_for_bit(built):
+    """KernelAttention.forward is the kernel, once for all rows: decodes in a step with prefills are the same
+    bits as the same decodes alone."""
+    step = Step(**MIXED_STEP, seed=6)
+    decodes = [i for i, n in enumerate(step.query_lens) if n == 1]
+    mixed = attend(KernelAttention(), step)
+    alone = attend(KernelAttention(), step.sub(decodes))
+    assert torch.equal(torch.cat([mixed[step.rows(i)] for i in decodes]), alone)
 
 
 @needs_kernel
 def test_bad_inputs_raise_value_errors(built):
-    q, k_pool, v_pool, tables, lens = make_step([20, 40], 2, 2, 64)
+    step = Step([20, 40], [3, 1], kv_heads=2, group=2)
+    meta = KernelAttention().build_metadata(step.tables, step.query_lens, step.seq_lens, step.block_size)
+    q, k_pool, v_pool = step.q, step.k_pool, step.v_pool
+    tables, lens, qsl = meta.block_tables, meta.seq_lens, meta.query_start_loc
+
+    def call(q=q, k_pool=k_pool, v_pool=v_pool, tables=tables, lens=lens, qsl=qsl):
+        return kernels.paged_attention(q, k_pool, v_pool, tables, lens, qsl, 0.1)
+
+    call()  # the unchanged inputs are fine
     with pytest.raises(ValueError, match="outside the pool"):
-        kernels.paged_decode(q, k_pool, v_pool, torch.full_like(tables, k_pool.shape[0]), lens, 0.1)
-    with pytest.raises(ValueError, match="seq_lens"):
-        kernels.paged_decode(q, k_pool, v_pool, tables, torch.tensor([0, 40]), 0.1)
-    with pytest.raises(ValueError, match="seq_lens"):
-        kernels.paged_decode(q, k_pool, v_pool, tables, torch.tensor([20, 10_000]), 0.1)
+        call(tables=torch.full_like(tables, k_pool.shape[0]))
+    with pytest.raises(ValueError, match="outside the pool"):
+        call(tables=torch.full_like(tables, -1))
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = 0 must lie in \[1, "):
+        call(lens=torch.tensor([0, 40]))
+    with pytest.raises(ValueError, match=r"seq_lens\[1\] = 10000 must lie in"):
+        call(lens=torch.tensor([20, 10_000]))
     with pytest.raises(ValueError, match="contiguous"):
-        kernels.paged_decode(q, k_pool.transpose(1, 2), v_pool.transpose(1, 2), tables, lens, 0.1)
+        call(k_pool=k_pool.transpose(1, 2), v_pool=v_pool.transpose(1, 2))
     with pytest.raises(ValueError, match="dtype"):
-        kernels.paged_decode(q.to(torch.bfloat16), k_pool, v_pool, tables, lens, 0.1)
+        call(q=q.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="dtype"):
+        call(k_pool=k_pool.double(), v_pool=v_pool.double())
+    with pytest.raises(ValueError, match="need q"):
+        call(q=q[0])
+    with pytest.raises(ValueError, match="equal pools"):
+        call(v_pool=v_pool[:-1])
+    with pytest.raises(ValueError, match=r"query_start_loc must run from 0 to q's 4 rows, got 0 \.\.\. 5"):
+        call(qsl=torch.tensor([0, 3, 5]))  # more rows than q has
+    with pytest.raises(ValueError, match="query_start_loc must run from 0"):
+        call(q=q[:3])
+    with pytest.raises(ValueError, match="query_start_loc must run from 0"):
+        call(qsl=torch.tensor([1, 3, 4]))
+    with pytest.raises(ValueError, match=r"request 1 has 0 rows by query_start_loc, but needs 1 <= rows"):
+        call(qsl=torch.tensor([0, 4, 4]))
+    with pytest.raises(ValueError, match=r"request 0 has 3 rows .* seq_lens\[0\] = 2"):
+        call(lens=torch.tensor([2, 40]))
+    with pytest.raises(ValueError, match=r"query_start_loc \[B \+ 1\]"):
+        call(qsl=torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match=r"block_tables \[B, max_blocks\]"):
+        call(tables=tables[:1])
 
 
 @needs_kernel
@@ -212,10 +325,10 @@ def test_broken_compiler_falls_back_to_gather(fresh_build, monkeypatch, caplog, 
     assert any("could not be built" in r.getMessage() for r in warnings)
     assert any("attention_backend='kernel' asked for" in r.getMessage() for r in warnings)
     assert sum("could not be built" in r.getMessage() for r in caplog.records) == 1  # tried once, logged once
-    step = make_step([3, 50], 2, 2, 64)
-    torch.testing.assert_close(decode(TorchAttention(), *step, scale=0.1), naive(*step, scale=0.1).float())
+    step = Step([3, 50], [3, 1], kv_heads=2, group=2)
+    torch.testing.assert_close(attend(TorchAttention(), step), naive(step).float())
     with pytest.raises(RuntimeError, match="gather"):
-        kernels.paged_decode(*step, scale=0.1)
+        kernel(step)
 
 
 def test_select_backend_order(monkeypatch, caplog):

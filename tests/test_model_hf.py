@@ -132,9 +132,9 @@ def test_greedy_decode_matches_hf_generate(pair, paged_harness):
 
 
 def test_kernel_backend_matches_gather(pair, paged_harness):
-    """The same mixed steps with decode attention on the compiled kernel (skipped where it cannot build)."""
+    """The same mixed steps with all attention on the compiled kernel (skipped where it cannot build)."""
     if not kernels.portable.available():
-        pytest.skip("the C++ decode kernel cannot be built here")
+        pytest.skip("the C++ attention kernel cannot be built here")
     hf, ours = pair
     on_kernel = LlamaForCausalLM(hf.config, attention=KernelAttention())
     on_kernel.load_weights(dict(hf.state_dict()))

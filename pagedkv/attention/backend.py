@@ -1,8 +1,9 @@
 """AttentionBackend: how every layer attends, chosen once when the engine starts and handed to the layers.
 
 Choosing at start means a machine without a compiler runs (on the torch backend, with one log line saying
-why) instead of failing at its first decode step, and a layer's forward is one method call with no
-dispatch on a name. Both backends give the same numbers (tests/test_kernel.py holds them to it).
+why) instead of failing at its first step, and a layer's forward is one method call with no dispatch on a
+name. Both backends give the same numbers within float rounding (tests/test_kernel.py holds them to it);
+only the kernel is batch-invariant to the bit.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pagedkv import kernels
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.attention.paged import KernelAttention, TorchAttention
 
-BACKENDS = ("kernel", "gather")  # the compiled decode kernel, or gather + SDPA (torch only)
+BACKENDS = ("kernel", "gather")  # the compiled paged attention kernel, or gather + SDPA (torch only)
 ENV_VAR = "PAGEDKV_ATTENTION_BACKEND"
 
 
@@ -27,7 +28,7 @@ class AttentionBackend(Protocol):
     def build_metadata(
         self, block_tables: Sequence[Sequence[int]], query_lens: Sequence[int], seq_lens: Sequence[int], block_size: int
     ) -> AttentionMetadata:
-        """One step's metadata with what this backend precomputes per step (requests with one new token first)."""
+        """One step's metadata, with what this backend precomputes per step (requests in any order)."""
         ...
 
     def forward(

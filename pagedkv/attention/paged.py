@@ -1,9 +1,11 @@
 """The two attention backends. Both write the step's K/V into the pool, then attend through the block tables.
 
+:class:`KernelAttention` (``"kernel"``) sends every row of the step -- decodes and prefill chunks -- to the
+compiled kernel in one call; it reads K/V where they lie and is batch-invariant: a row's output is the same
+bits whatever else the step holds, however its prompt was chunked, and on any thread count.
 :class:`TorchAttention` (``"gather"``) copies every request's context out of the pool with one
-``index_select`` per pool, then runs SDPA per request on views of that copy. :class:`KernelAttention`
-(``"kernel"``) hands the decodes to the compiled kernel, which reads K/V where they lie, and attends the
-prefill chunks the same way as the torch backend.
+``index_select`` per pool, then runs SDPA per request on views of that copy: torch only, the fallback where
+the kernel cannot be built, and the same numbers within float rounding (not bitwise, and not batch-invariant).
 
 The torch backend's decode path was picked by measurement (AMD EPYC Zen 4, 2 threads, SmolLM2's 3/9 x 64
 heads): per-request SDPA against one padded, masked SDPA over the batch. Per layer, per request was up to
@@ -22,24 +24,25 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pagedkv import kernels
-from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.attention.metadata import AttentionMetadata, GatherMetadata
 from pagedkv.kv import ops
 
 
 class TorchAttention:
-    """Gather + SDPA for every request: runs wherever torch does, and is the reference for the kernel."""
+    """Gather + SDPA for every request: runs wherever torch does. Not batch-invariant: SDPA picks its
+    algorithm and blocking from the shapes, so a row's last bits depend on how its prompt was chunked (one
+    prefill chunk or one decode at a time measured 1e-6 apart), and may depend on the thread count."""
 
     name = "gather"
-    gather_decodes = True
 
     def build_metadata(
         self, block_tables: Sequence[Sequence[int]], query_lens: Sequence[int], seq_lens: Sequence[int], block_size: int
-    ) -> AttentionMetadata:
+    ) -> GatherMetadata:
         """The step's metadata, with the contexts to gather (the same for every layer, so built once a step)."""
-        return AttentionMetadata.build(block_tables, query_lens, seq_lens, block_size, self.gather_decodes)
+        return GatherMetadata.build(block_tables, query_lens, seq_lens, block_size)
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, meta: AttentionMetadata, scale: float
+        self, q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, meta: GatherMetadata, scale: float
     ) -> Tensor:
         """Attention of the step's queries ``q [T, Hq, D]`` over their requests' contexts; returns ``[T, Hq, D]``.
 
@@ -49,32 +52,34 @@ class TorchAttention:
         ops.write_kv(k_pool, meta.slot_mapping, k)
         ops.write_kv(v_pool, meta.slot_mapping, v)
         out = q.new_empty(q.shape)
-        if meta.first_gathered < meta.num_requests:
-            _attend_gathered(q, k_pool, v_pool, meta, scale, out)
+        _attend_gathered(q, k_pool, v_pool, meta, scale, out)
         return out
 
 
-class KernelAttention(TorchAttention):
-    """Decodes on the compiled kernel (no K/V copy; 2-10x the gather path from 1 K tokens of context), prefill
-    chunks gathered; the same numbers as :class:`TorchAttention`."""
+class KernelAttention:
+    """Every row on the compiled kernel in one call: no K/V copy, batch-invariant (see the module docstring)."""
 
     name = "kernel"
-    gather_decodes = False
+
+    def build_metadata(
+        self, block_tables: Sequence[Sequence[int]], query_lens: Sequence[int], seq_lens: Sequence[int], block_size: int
+    ) -> AttentionMetadata:
+        """The step's metadata: the kernel needs only slots, block tables, lengths and row offsets."""
+        return AttentionMetadata.build(block_tables, query_lens, seq_lens, block_size)
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, meta: AttentionMetadata, scale: float
     ) -> Tensor:
-        out = super().forward(q, k, v, k_pool, v_pool, meta, scale)  # writes K/V, attends the prefill chunks
-        n = meta.num_decodes
-        if n:
-            out[:n] = kernels.paged_decode(q[:n], k_pool, v_pool, meta.block_tables[:n], meta.seq_lens[:n], scale)
-        return out
+        """As :meth:`TorchAttention.forward`."""
+        ops.write_kv(k_pool, meta.slot_mapping, k)
+        ops.write_kv(v_pool, meta.slot_mapping, v)
+        return kernels.paged_attention(q, k_pool, v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
 
 
 def _attend_gathered(
-    q: Tensor, k_pool: Tensor, v_pool: Tensor, meta: AttentionMetadata, scale: float, out: Tensor
+    q: Tensor, k_pool: Tensor, v_pool: Tensor, meta: GatherMetadata, scale: float, out: Tensor
 ) -> None:
-    """SDPA of each gathered request over its whole context (earlier chunks and prefix hits too).
+    """SDPA of each request over its whole context (earlier chunks and prefix hits too).
 
     One ``index_select`` per pool copies all those contexts; SDPA then gets 4-D ``[1, H, L, D]`` ``permute``
     views of it: with 3-D inputs it was measured to fall back to a 3-10x slower path, and making the views
@@ -82,9 +87,9 @@ def _attend_gathered(
     """
     k_all = ops.gather_slots(k_pool, meta.context_slots)
     v_all = ops.gather_slots(v_pool, meta.context_slots)
-    qsl = meta.query_start_loc
+    qsl = meta.query_start_list
     kv_start = 0
-    for i, mask in enumerate(meta.context_masks, start=meta.first_gathered):
+    for i, mask in enumerate(meta.context_masks):
         q_start, q_end = qsl[i], qsl[i + 1]
         kv_end = kv_start + meta.seq_lens_list[i]
         attn = F.scaled_dot_product_attention(

@@ -1,4 +1,4 @@
-// Eight floats as a GCC/Clang vector type, shared by the portable ops (decode attention, RMSNorm, SiLU).
+// Eight floats as a GCC/Clang vector type, shared by the portable ops (paged attention, RMSNorm, SiLU, RoPE).
 //
 // Written once against the compiler's vector extension rather than against an instruction set: with
 // -march=native it becomes AVX2/AVX-512 code on x86 and NEON on ARM, and plain SSE2 pairs elsewhere, so the
@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 
 namespace pagedkv::simd {
 
@@ -23,6 +24,17 @@ inline Vec load(const float* p) {
 }
 
 inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
+
+// v, kept in a register. Where a loaded vector feeds several FMAs, GCC folds the load into each of them (one
+// memory operand per FMA); Zen 4 then runs out of load slots at about half its FMA rate. The empty asm
+// "modifies" v in a register, which the compiler cannot see through; it emits no instruction. Only where a
+// Vec fits one register (AVX); elsewhere a no-op.
+inline Vec in_register(Vec v) {
+#if defined(__AVX__) && (defined(__x86_64__) || defined(__i386__))
+  asm("" : "+v"(v));
+#endif
+  return v;
+}
 
 inline float hsum(Vec v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 

@@ -1,0 +1,482 @@
+// Paged attention for every row of a step -- decodes and prefill chunks alike -- reading K/V straight from the
+// pool through the block table (no gather copy), with results that are bitwise batch-invariant.
+//
+// Rows. Request b's new rows are q[qsl[b], qsl[b + 1]); row i sits at position p = seq_lens[b] - (qsl[b + 1] - i)
+// and attends keys [0, p], causally (the caller has written its own K/V already). A decode is a request with
+// one row, so a prefill chunk, a decode and a speculative draft all run the same code.
+//
+// Invariance by construction: a row's float operations depend on its position p alone. Its keys are cut into
+// partitions of a FIXED kPartition tokens (never chosen from the batch or the thread count), each walked in
+// tiles of kTile tokens from the partition start, the last tile cut at p. Per tile the row keeps an online
+// softmax (running max m and sum l) and accumulates p * V. Its partitions are then merged with log-sum-exp
+// (vLLM's paged attention v2), always in ascending order, by one function; a row with one partition comes out
+// as acc / l. Which work item, thread or neighbours a row gets changes what runs when, never what is computed:
+// a request's rows are the same bits as one prefill chunk, as several, or one decode at a time.
+//
+// Work items: up to kRows consecutive rows of one request, over all their partitions in turn, merged as they
+// come -- except a lone row (a decode) with a long context, whose partitions are items of their own, so that
+// one long decode still keeps every thread busy; those are merged after all items are done. For each
+// partition, tile and KV head, the item's query vectors -- its rows times the G query heads sharing that KV
+// head (GQA) -- go through the tile kM at a time, always kM (padded with zero vectors), in micro-kernels that
+// hold a kM x kKeys block of dot products (or a block of p * V accumulators) in registers, so each K or V
+// vector loaded serves several queries. A vector's own operations are the same in every slot of that block,
+// so neither the other vectors nor their number changes its bits. The tile stays in cache while all the
+// item's vectors pass: a prefill chunk reads its K/V from memory once per kRows rows, not once per row. A tile
+// spans blocks, so the softmax bookkeeping is amortised over kTile tokens whatever the block size. Vectors
+// whose row ends inside the tile get weight 0 for the keys past it: adding 0 * v leaves their accumulators as
+// they were. While a tile is used the next one's rows are prefetched into L2 (the blocks are scattered, so the
+// hardware cannot guess them, but the table can). Items run on torch's intra-op threads and pull work from an
+// atomic counter, biggest first. Pools and queries are fp32, as the engine keeps them (bf16 attention measured
+// several times slower on CPU).
+//
+// Only the headers it needs (not torch/extension.h): the first build takes a third of the time.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "simd.h"
+
+namespace {
+
+using namespace pagedkv::simd;
+
+constexpr int64_t kTile = 64;        // keys per online-softmax update
+constexpr int64_t kPartition = 512;  // keys per partition: fixed, so a row's partitions depend on its position only
+constexpr int64_t kRows = 32;        // rows of one request per work item, sharing each K/V tile
+constexpr int64_t kM = 4;            // query vectors per micro-kernel call, always (padded with zero vectors)
+constexpr int64_t kKeys = 4;         // keys per step of the scores micro-kernel
+constexpr int64_t kPV = 2;           // query vectors per register block of the p * V micro-kernel
+constexpr int64_t kOutVecs = 8;      // accumulator vectors per query held in registers by the p * V micro-kernel
+static_assert(kPartition % kTile == 0, "tiles must not straddle partitions");
+static_assert(kTile % kLanes == 0 && kLanes % kKeys == 0, "a tile is whole vectors of whole key steps");
+// Work (keys x query heads x head dim) worth waking another thread for, ~100 us on one core. Below it the
+// step runs on the calling thread: a second thread would save tens of microseconds on an idle machine,
+// but waiting for it to be scheduled costs milliseconds when the cores are busy.
+constexpr int64_t kWorkPerThread = int64_t{1} << 20;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+// {hsum(v[0]), ..., hsum(v[7])} as a transpose-and-add tree: 7 adds for 8 sums instead of 7 per sum. Every
+// output lane is summed by the same tree, whatever its neighbours hold.
+inline Vec hsum8(const Vec* v) {
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+  Vec pairs[4], quads[2];
+  for (int j = 0; j < 4; ++j)
+    pairs[j] = __builtin_shufflevector(v[2 * j], v[2 * j + 1], 0, 8, 1, 9, 4, 12, 5, 13) +
+               __builtin_shufflevector(v[2 * j], v[2 * j + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  for (int j = 0; j < 2; ++j)
+    quads[j] = __builtin_shufflevector(pairs[2 * j], pairs[2 * j + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               __builtin_shufflevector(pairs[2 * j], pairs[2 * j + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(quads[0], quads[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(quads[0], quads[1], 4, 5, 6, 7, 12, 13, 14, 15);
+#else
+  Vec out;
+  for (int j = 0; j < 8; ++j)  // the tree above, lane by lane
+    out[j] = ((v[j][0] + v[j][2]) + (v[j][1] + v[j][3])) + ((v[j][4] + v[j][6]) + (v[j][5] + v[j][7]));
+  return out;
+#endif
+}
+
+struct Problem {
+  const float* q;  // row i, query head h at q + i * q_stride + h * dim
+  int64_t q_stride;
+  const float* k;  // pools [num_blocks, block_size, kv_heads, dim]
+  const float* v;
+  const int64_t* tables;     // [batch, max_blocks]
+  const int64_t* seq_lens;   // [batch]
+  const int64_t* query_loc;  // [batch + 1]
+  int64_t q_heads, kv_heads, group, dim, block_size, max_blocks;
+  float scale;
+
+  // Row i of request b sits at position first_position(b) + i.
+  int64_t first_position(int64_t b) const { return seq_lens[b] - query_loc[b + 1]; }
+};
+
+// Rows [row_begin, row_end) of `request` over partitions [part_begin, part_end): all of the rows' partitions,
+// merged as they come, or -- for a lone row with a long context -- one of them, stored for the merge after.
+struct Item {
+  int64_t request, row_begin, row_end, part_begin, part_end;
+  int64_t work;  // keys attended, summed over the rows: for the schedule only
+};
+
+// The partitions of the lone rows whose partitions are items of their own, merged once every item is done.
+struct Partials {
+  std::vector<int64_t> first;    // per row: the slot of its partition 0, or -1 if it is merged in its item
+  std::vector<float> acc, m, l;  // [slot, q_heads, dim], [slot, q_heads], [slot, q_heads]
+};
+
+// Fold one partition's (m, l, acc) into a row's merge (M, L, O), partitions in ascending order: the first is
+// copied, each later one rescales both sides to the larger max (log-sum-exp). One compiled copy (noinline)
+// serves both the merge inside an item and the one after, so their floating-point operations are the same.
+__attribute__((noinline)) void merge_partition(bool first, float m, float l, const float* acc, float& M, float& L,
+                                               float* O, int64_t dim) {
+  if (first) {
+    M = m, L = l;
+    std::copy(acc, acc + dim, O);
+    return;
+  }
+  const float m_new = std::max(M, m), a = std::exp(M - m_new), b = std::exp(m - m_new);
+  L = L * a + l * b;
+  for (int64_t d = 0; d < dim; ++d) O[d] = O[d] * a + acc[d] * b;
+  M = m_new;
+}
+
+// out = O / L: a row's result, however many partitions it had.
+__attribute__((noinline)) void normalise(const float* O, float L, float* out, int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d) out[d] = O[d] / L;
+}
+
+// One worker's buffers. Per KV head, its query vectors are laid out (row, query head of the group), followed
+// by kM zero vectors, so every micro-kernel call reads kM consecutive ones.
+struct Scratch {
+  int64_t vecs;  // per KV head: rows * group + kM
+  std::vector<float> q, acc, m, l;  // [kv_heads, vecs, dim], ..., [kv_heads, vecs]: one partition's
+  std::vector<float> O, M, L;       // the same shapes: the merge of the partitions so far
+  std::vector<float> scores;        // one KV head's [vecs, kTile]: its vectors' scores, then weights, for a tile
+  std::vector<Vec> partial;         // [kM, kTile]: the dot products' vectors before their sums
+  std::vector<int64_t> offsets;     // pool offset of each key of the partition, padded to whole vectors
+  Scratch(const Problem& pr, int64_t rows)
+      : vecs(rows * pr.group + kM), q(pr.kv_heads * vecs * pr.dim), acc(q.size()), m(pr.kv_heads * vecs),
+        l(m.size()), O(q.size()), M(m.size()), L(m.size()), scores(vecs * kTile), partial(kM * kTile),
+        offsets(kPartition + kLanes) {}
+};
+
+// scores[j * kTile + i] = q_j . k_i for the kM query vectors q_j (dim floats apart) and keys i < n, key i at
+// k + offsets[i] (offsets valid up to n rounded up to kLanes). Every pair gets one accumulator vector over the
+// dim in order, then hsum8's tree, then the dim's scalar tail: the same operations whichever slot or key step
+// it falls in. The kKeys keys of a step are n / kKeys apart, not adjacent (measured ~10% faster), and the
+// loaded vectors are pinned in registers (see in_register: 1.6x the speed of GCC's memory operands here).
+template <int kDim>
+void qk_scores(float* scores, Vec* partial, const float* q, const float* k, const int64_t* offsets, int64_t n,
+               int64_t runtime_dim) {
+  const int64_t dim = kDim > 0 ? kDim : runtime_dim, vec_end = dim / kLanes * kLanes;
+  const int64_t stride = (n + kKeys - 1) / kKeys;  // key slot i takes keys [i * stride, (i + 1) * stride)
+  for (int64_t i0 = 0; i0 < stride; ++i0) {
+    const float* rows[kKeys];
+    for (int64_t i = 0; i < kKeys; ++i) rows[i] = k + offsets[i0 + i * stride];
+    Vec acc[kM][kKeys] = {};
+    for (int64_t c = 0; c < vec_end; c += kLanes) {
+      Vec key[kKeys];
+      for (int64_t i = 0; i < kKeys; ++i) key[i] = in_register(load(rows[i] + c));
+      for (int64_t j = 0; j < kM; ++j) {
+        const Vec query = in_register(load(q + j * dim + c));
+        for (int64_t i = 0; i < kKeys; ++i) acc[j][i] += query * key[i];
+      }
+    }
+    for (int64_t j = 0; j < kM; ++j)
+      for (int64_t i = 0; i < kKeys; ++i) partial[j * kTile + i0 + i * stride] = acc[j][i];
+  }
+  for (int64_t j = 0; j < kM; ++j)
+    for (int64_t i = 0; i < n; i += kLanes) store(scores + j * kTile + i, hsum8(partial + j * kTile + i));
+  for (int64_t d = vec_end; d < dim; ++d)
+    for (int64_t j = 0; j < kM; ++j)
+      for (int64_t i = 0; i < n; ++i) scores[j * kTile + i] += q[j * dim + d] * k[offsets[i] + d];
+}
+
+// acc_j[c0, c0 + kVecs * kLanes) += sum_{i < n} p[j * kTile + i] * v_i[same] for query vectors j of [j0, j0 + kJ):
+// the block of accumulators stays in registers while the keys stream by (kJ and kVecs are constants, so it can).
+template <int kJ, int kVecs>
+inline void accumulate_block(float* acc, int64_t dim, const float* p, const float* v, const int64_t* offsets,
+                             int64_t n, int64_t j0, int64_t c0) {
+  Vec a[kJ][kVecs];
+  for (int64_t j = 0; j < kJ; ++j)
+    for (int64_t c = 0; c < kVecs; ++c) a[j][c] = load(acc + (j0 + j) * dim + c0 + c * kLanes);
+  for (int64_t i = 0; i < n; ++i) {
+    Vec value[kVecs];
+    for (int64_t c = 0; c < kVecs; ++c) value[c] = load(v + offsets[i] + c0 + c * kLanes);
+    for (int64_t j = 0; j < kJ; ++j) {
+      const Vec pj = splat(p[(j0 + j) * kTile + i]);
+      for (int64_t c = 0; c < kVecs; ++c) a[j][c] += pj * value[c];
+    }
+  }
+  for (int64_t j = 0; j < kJ; ++j)
+    for (int64_t c = 0; c < kVecs; ++c) store(acc + (j0 + j) * dim + c0 + c * kLanes, a[j][c]);
+}
+
+// acc_j[0, dim) += sum_{i < n} p[j * kTile + i] * v_i[0, dim) for the kM query vectors, value i at v + offsets[i]:
+// each output element is one chain over the keys in order, however the vectors and the dim are cut into
+// register blocks.
+template <int kDim>
+void accumulate(float* acc, const float* p, const float* v, const int64_t* offsets, int64_t n, int64_t runtime_dim) {
+  const int64_t dim = kDim > 0 ? kDim : runtime_dim, vec_end = dim / kLanes * kLanes;
+  for (int64_t j0 = 0; j0 < kM; j0 += kPV) {
+    int64_t c0 = 0;
+    for (; c0 + kOutVecs * kLanes <= vec_end; c0 += kOutVecs * kLanes)
+      accumulate_block<kPV, kOutVecs>(acc, dim, p, v, offsets, n, j0, c0);
+    for (; c0 < vec_end; c0 += kLanes) accumulate_block<kPV, 1>(acc, dim, p, v, offsets, n, j0, c0);
+  }
+  for (int64_t d = vec_end; d < dim; ++d)
+    for (int64_t j = 0; j < kM; ++j)
+      for (int64_t i = 0; i < n; ++i) acc[j * dim + d] += p[j * kTile + i] * v[offsets[i] + d];
+}
+
+// Fold one query's tile scores s[0, n) into its online softmax: s becomes p = exp(s - m_new), then 0 up to
+// `width` (the keys the group's accumulate reads); the sum and accumulator are rescaled when the max grows.
+// Lanes [n, n rounded up to 8) are scratch. The operations depend on n alone, not on `width`.
+inline void softmax_update(float* s, int64_t n, int64_t width, float& m, float& l, float* acc, int64_t dim) {
+  const int64_t padded = round_up(n, kLanes);
+  std::fill(s + n, s + padded, kNegInf);
+  Vec max = splat(m);
+  for (int64_t i = 0; i < padded; i += kLanes) {
+    const Vec x = load(s + i);
+    max = x > max ? x : max;
+  }
+  float m_new = max[0];
+  for (int j = 1; j < kLanes; ++j) m_new = std::max(m_new, max[j]);
+  for (int64_t i = 0; i < padded; i += kLanes) store(s + i, vexp(load(s + i) - m_new));
+  std::fill(s + n, s + std::max(padded, width), 0.0f);
+  Vec sum = {};
+  for (int64_t i = 0; i < padded; i += kLanes) sum += load(s + i);
+  if (m_new > m) {
+    const float alpha = vexp(splat(m - m_new))[0];
+    for (int64_t d = 0; d < dim; ++d) acc[d] *= alpha;
+    l *= alpha;
+    m = m_new;
+  }
+  l += hsum(sum);
+}
+
+// The item's queries, scaled, laid out per KV head; the vectors past its rows are zero.
+void load_queries(const Problem& pr, const Item& item, Scratch& s) {
+  const int64_t dim = pr.dim, group = pr.group;
+  std::fill(s.q.begin(), s.q.end(), 0.0f);
+  for (int64_t r = 0; r < item.row_end - item.row_begin; ++r)
+    for (int64_t head = 0; head < pr.q_heads; ++head) {
+      const float* src = pr.q + (item.row_begin + r) * pr.q_stride + head * dim;
+      float* dst = s.q.data() + ((head / group) * s.vecs + r * group + head % group) * dim;
+      for (int64_t d = 0; d < dim; ++d) dst[d] = src[d] * pr.scale;
+    }
+}
+
+// Attend the item's rows over the keys of partition `part`, each row cut at its own position, leaving per query
+// vector the unnormalised accumulator, max and sum in `s` (rows that end before the partition are left alone).
+template <int kDim>
+void attend(const Problem& pr, const Item& item, int64_t part, Scratch& s) {
+  const int64_t dim = kDim > 0 ? kDim : pr.dim, bs = pr.block_size, group = pr.group, vecs = s.vecs;
+  const int64_t rows = item.row_end - item.row_begin;
+  const int64_t first_pos = pr.first_position(item.request) + item.row_begin;  // the item's first row's position
+  const int64_t begin = part * kPartition, end = std::min(begin + kPartition, first_pos + rows);
+  std::fill(s.acc.begin(), s.acc.end(), 0.0f);
+  std::fill(s.m.begin(), s.m.end(), kNegInf);
+  std::fill(s.l.begin(), s.l.end(), 0.0f);
+
+  // Where each key of the partition lies in the pool (KV head 0), read through the block table once.
+  const int64_t* table = pr.tables + item.request * pr.max_blocks;
+  int64_t* offsets = s.offsets.data();
+  for (int64_t t = begin, block = begin / bs, offset = begin % bs; t < end; ++t) {
+    offsets[t - begin] = (table[block] * bs + offset) * pr.kv_heads * dim;
+    if (++offset == bs) offset = 0, ++block;
+  }
+  std::fill(offsets + (end - begin), offsets + round_up(end - begin, kLanes), offsets[0]);  // valid, discarded
+
+  // Keys per slice of the first and last pass: one KV head's rows of them fill half the L1 (32 KiB on most x86).
+  const int64_t sub = std::clamp<int64_t>(16384 / (dim * sizeof(float)) / kLanes * kLanes, kLanes, kTile);
+  for (int64_t t = begin; t < end; t += kTile) {
+    const int64_t n = std::min(kTile, end - t), next = std::min(kTile, end - t - n);
+    const int64_t* tile = offsets + (t - begin);
+    const int64_t live = std::clamp<int64_t>(t - first_pos, 0, rows);  // rows before it ended before this tile
+    for (int64_t h = 0; h < pr.kv_heads; ++h) {
+      const float *k = pr.k + h * dim, *v = pr.v + h * dim;
+      // While this tile is used, ask for the next one's rows, into L2 (the L1 is busy with this tile): the
+      // blocks are scattered, so the hardware cannot guess them, but the table can.
+      for (int64_t i = n; i < n + next; ++i)
+        for (int64_t d = 0; d < dim; d += 64 / sizeof(float)) {
+          __builtin_prefetch(k + tile[i] + d, 0, 2);
+          __builtin_prefetch(v + tile[i] + d, 0, 2);
+        }
+      // Three passes over the live query vectors x (kM at a time, from x0) -- all dot products, all softmax
+      // updates, all accumulates -- the first and last a slice of `sub` keys at a time, so that slice's K (or
+      // V) rows stay in L1 while every vector uses them. Slicing the keys changes no vector's operations.
+      const int64_t x_begin = live * group, x_end = rows * group;
+      const auto keys = [&](int64_t x) {  // vector x's keys in this tile: its row's (>= 1), or 0 for padding
+        return x < x_end ? std::min(first_pos + x / group + 1 - t, n) : 0;
+      };
+      const auto width = [&](int64_t x0) { return keys(std::min(x0 + kM, x_end) - 1); };  // the group's widest
+      const auto scores = [&](int64_t x) { return s.scores.data() + (x - x_begin) * kTile; };
+      const auto at = [&](int64_t x) { return h * vecs + x; };  // x's index into the scratch q, acc, m, l
+      for (int64_t i0 = 0; i0 < n; i0 += sub)
+        for (int64_t x0 = x_begin; x0 < x_end; x0 += kM)
+          if (width(x0) > i0)
+            qk_scores<kDim>(scores(x0) + i0, s.partial.data(), s.q.data() + at(x0) * dim, k, tile + i0,
+                            std::min(width(x0) - i0, sub), dim);
+      for (int64_t x0 = x_begin; x0 < x_end; x0 += kM)
+        for (int64_t x = x0; x < x0 + kM; ++x) {
+          if (keys(x) > 0)
+            softmax_update(scores(x), keys(x), width(x0), s.m[at(x)], s.l[at(x)], s.acc.data() + at(x) * dim, dim);
+          else
+            std::fill(scores(x), scores(x) + width(x0), 0.0f);
+        }
+      for (int64_t i0 = 0; i0 < n; i0 += sub)
+        for (int64_t x0 = x_begin; x0 < x_end; x0 += kM)
+          if (width(x0) > i0)
+            accumulate<kDim>(s.acc.data() + at(x0) * dim, scores(x0) + i0, v, tile + i0,
+                             std::min(width(x0) - i0, sub), dim);
+    }
+  }
+}
+
+// The items of a call, biggest first, and the slots of the lone rows whose partitions are items of their own
+// (a long decode: its partitions are all the parallel work it has).
+std::vector<Item> plan(const Problem& pr, int64_t batch, Partials& partials) {
+  std::vector<Item> items;
+  partials.first.assign(pr.query_loc[batch], -1);
+  int64_t slots = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t first_pos = pr.first_position(b);
+    const auto keys_in = [&](int64_t r0, int64_t r1, int64_t part) {  // keys rows [r0, r1) attend in `part`
+      int64_t keys = 0;
+      for (int64_t i = r0; i < r1; ++i)
+        keys += std::clamp<int64_t>(first_pos + i + 1 - part * kPartition, 0, kPartition);
+      return keys;
+    };
+    for (int64_t r0 = pr.query_loc[b]; r0 < pr.query_loc[b + 1]; r0 += kRows) {
+      const int64_t r1 = std::min(r0 + kRows, pr.query_loc[b + 1]), parts = (first_pos + r1 - 1) / kPartition + 1;
+      if (r1 - r0 == 1 && parts > 1) {
+        partials.first[r0] = slots, slots += parts;
+        for (int64_t part = 0; part < parts; ++part)
+          items.push_back({b, r0, r1, part, part + 1, keys_in(r0, r1, part)});
+      } else {
+        int64_t work = 0;
+        for (int64_t part = 0; part < parts; ++part) work += keys_in(r0, r1, part);
+        items.push_back({b, r0, r1, 0, parts, work});
+      }
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.work > b.work; });
+  partials.acc.resize(slots * pr.q_heads * pr.dim);
+  partials.m.resize(slots * pr.q_heads);
+  partials.l.resize(slots * pr.q_heads);
+  return items;
+}
+
+template <int kDim>
+void run(const Problem& pr, int64_t batch, float* out) {
+  const int64_t dim = pr.dim, heads = pr.q_heads, group = pr.group;
+  Partials partials;
+  const std::vector<Item> items = plan(pr, batch, partials);
+  int64_t work = 0, max_rows = 0;
+  for (const Item& it : items) work += it.work, max_rows = std::max(max_rows, it.row_end - it.row_begin);
+  const int64_t threads =
+      std::clamp<int64_t>(work * heads * dim / kWorkPerThread, 1, std::max(at::get_num_threads(), 1));
+
+  std::atomic<int64_t> next{0};
+  const auto num_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, std::min(threads, num_items), 1, [&](int64_t, int64_t) {
+    Scratch s(pr, max_rows);
+    for (int64_t n = next.fetch_add(1); n < num_items; n = next.fetch_add(1)) {
+      const Item& it = items[n];
+      const int64_t first_pos = pr.first_position(it.request);
+      const bool lone = partials.first[it.row_begin] >= 0;  // one partition of a lone row: kept for later
+      load_queries(pr, it, s);
+      for (int64_t part = it.part_begin; part < it.part_end; ++part) {
+        attend<kDim>(pr, it, part, s);
+        for (int64_t i = it.row_begin; i < it.row_end; ++i) {
+          if (first_pos + i < part * kPartition) continue;  // the row ends before this partition
+          for (int64_t head = 0; head < heads; ++head) {
+            const int64_t at = (head / group) * s.vecs + (i - it.row_begin) * group + head % group;
+            const float* acc = s.acc.data() + at * dim;
+            if (lone) {
+              const int64_t slot = (partials.first[i] + part) * heads + head;
+              std::copy(acc, acc + dim, partials.acc.begin() + slot * dim);
+              partials.m[slot] = s.m[at], partials.l[slot] = s.l[at];
+            } else {
+              merge_partition(part == 0, s.m[at], s.l[at], acc, s.M[at], s.L[at], s.O.data() + at * dim, dim);
+            }
+          }
+        }
+      }
+      for (int64_t i = it.row_begin; i < it.row_end && !lone; ++i)
+        for (int64_t head = 0; head < heads; ++head) {
+          const int64_t at = (head / group) * s.vecs + (i - it.row_begin) * group + head % group;
+          normalise(s.O.data() + at * dim, s.L[at], out + (i * heads + head) * dim, dim);
+        }
+    }
+  });
+
+  // The lone rows' partitions, merged in ascending order.
+  const int64_t total_rows = pr.query_loc[batch];
+  at::parallel_for(0, partials.m.empty() ? 0 : total_rows * heads, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> O(dim);
+    float M = 0.0f, L = 0.0f;
+    for (int64_t rh = begin; rh < end; ++rh) {
+      const int64_t i = rh / heads, head = rh % heads, first = partials.first[i];
+      if (first < 0) continue;
+      const int64_t request = std::upper_bound(pr.query_loc, pr.query_loc + batch + 1, i) - pr.query_loc - 1;
+      const int64_t parts = (pr.first_position(request) + i) / kPartition + 1;
+      for (int64_t part = 0; part < parts; ++part) {
+        const int64_t slot = (first + part) * heads + head;
+        merge_partition(part == 0, partials.m[slot], partials.l[slot], partials.acc.data() + slot * dim, M, L,
+                        O.data(), dim);
+      }
+      normalise(O.data(), L, out + rh * dim, dim);
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& query_start_loc, double scale) {
+  TORCH_CHECK_VALUE(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2),
+                    "q must be fp32 [T, Hq, D], contiguous within each row");
+  TORCH_CHECK_VALUE(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.is_contiguous() &&
+                        v_pool.is_contiguous() && k_pool.scalar_type() == at::kFloat &&
+                        v_pool.scalar_type() == at::kFloat,
+                    "pools must be contiguous fp32 [num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK_VALUE(q.size(2) == k_pool.size(3) && q.size(1) % k_pool.size(2) == 0,
+                    "q [T, Hq, D] needs the pool's D and Hq a multiple of its Hkv");
+  const int64_t batch = seq_lens.numel();
+  const auto is_index = [](const at::Tensor& t, int64_t dims, int64_t rows) {
+    return t.dim() == dims && t.scalar_type() == at::kLong && t.is_contiguous() && t.size(0) == rows;
+  };
+  TORCH_CHECK_VALUE(is_index(seq_lens, 1, batch) && is_index(block_tables, 2, batch) &&
+                        is_index(query_start_loc, 1, batch + 1),
+                    "need contiguous int64 seq_lens [B], block_tables [B, max_blocks] and query_start_loc [B + 1]");
+  const int64_t rows = q.size(0), bs = k_pool.size(1), max_blocks = block_tables.size(1);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  TORCH_CHECK_VALUE(qsl[0] == 0 && qsl[batch] == rows, "query_start_loc must run from 0 to q's ", rows,
+                    " rows, got ", qsl[0], " ... ", qsl[batch]);
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK_VALUE(lens[b] >= 1 && lens[b] <= max_blocks * bs, "seq_lens[", b, "] = ", lens[b],
+                      " must lie in [1, max_blocks * block_size = ", max_blocks * bs, "]");
+    TORCH_CHECK_VALUE(qsl[b + 1] - qsl[b] >= 1 && qsl[b + 1] - qsl[b] <= lens[b], "request ", b, " has ",
+                      qsl[b + 1] - qsl[b], " rows by query_start_loc, but needs 1 <= rows <= seq_lens[", b,
+                      "] = ", lens[b]);
+    for (int64_t i = 0; i < (lens[b] + bs - 1) / bs; ++i) {
+      const int64_t block = tables[b * max_blocks + i];
+      TORCH_CHECK_VALUE(block >= 0 && block < k_pool.size(0), "block_tables[", b, ", ", i, "] = ", block,
+                        " is outside the pool's ", k_pool.size(0), " blocks");
+    }
+  }
+  const int64_t kv_heads = k_pool.size(2), q_heads = q.size(1), dim = q.size(2);
+  auto out = at::empty({rows, q_heads, dim}, q.options());
+  if (batch == 0) return out;
+  const Problem pr{q.data_ptr<float>(), q.stride(0), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
+                   tables, lens, qsl, q_heads, kv_heads, q_heads / kv_heads, dim, bs, max_blocks,
+                   static_cast<float>(scale)};
+  switch (dim) {
+    case 64: run<64>(pr, batch, out.data_ptr<float>()); break;
+    case 128: run<128>(pr, batch, out.data_ptr<float>()); break;
+    default: run<0>(pr, batch, out.data_ptr<float>());
+  }
+  return out;
+}
+
+// torch.ops.pagedkv.paged_attention: q [T, Hq, D] -> [T, Hq, D], each row causal over its request's context.
+TORCH_LIBRARY_FRAGMENT(pagedkv, m) {
+  m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_start_loc, float scale) -> Tensor",
+        &paged_attention);
+}
