@@ -4,7 +4,7 @@
 
 Every engine runs the same conversations (greedy, 2 threads, the default SmolLM2 model) one after another in
 this process, so their numbers are comparable within the run. pagedkv runs three ways: fp32 with prefix
-caching, fp32 without it, and its fastest configuration (compiled decode kernel, and linear layers on bf16
+caching, fp32 without it, and its fastest configuration (compiled attention kernel, and linear layers on bf16
 where the CPU has bf16 GEMMs, else on the model file's exact Q4_1/Q8_0 codes through the panel GEMM).
 Results: a table on stdout, Markdown + PNG + JSON under benchmarks/results/.
 """

@@ -54,7 +54,8 @@ def _check_range(name: str, value: float, lo: float, hi: float, *, hint: str = "
 class SamplingParams:
     """Per-request sampling and stopping settings.
 
-    n: completions per prompt. max_tokens: output-token budget (None = until max_model_len).
+    n: completions per prompt. max_tokens: output-token budget (None = until max_model_len; 0 = only score
+    the prompt, with prompt_logprobs).
     min_tokens: EOS and stop_token_ids are masked out until this many tokens exist (stop strings are not
     checked before then either). temperature in [0, 100]: 0 (anything below SAMPLING_EPS) means greedy.
     top_p in [1e-6, 1], top_k (0 or -1 = disabled; -1 is stored as 0), min_p 0 or in [2**-126, 1]: applied
@@ -63,7 +64,8 @@ class SamplingParams:
     repetition_penalty in [0.01, 100] (1 = off) acts on prompt and output tokens. stop: strings that end
     the output (a single str becomes a one-element list); stop_token_ids: extra ids that end it (also kept
     as stop_token_id_set). logprobs: return the sampled token's logprob plus the top-N (0..20)
-    alternatives, all from the raw model logits.
+    alternatives, all from the raw model logits. prompt_logprobs: the same for every prompt token after the
+    first (vLLM's name): the log-probability the model gave it, its rank, and the top-N (0..20).
 
     Every value these checks accept is safe for the sampler in float32 (see the bounds above); whether
     min_tokens leaves any token to sample depends on the model, so `verify_for_model` checks that.
@@ -84,6 +86,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Derived from stop_token_ids at creation: the engine asks "is this token a stop id?" every step, and a
@@ -95,12 +98,12 @@ class SamplingParams:
         self._validate_distribution()
         self._validate_penalties()
         self._validate_stops()
-        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise InvalidParameter(
-                "logprobs",
-                f"logprobs must be None or an int in [0, {MAX_LOGPROBS}] (0 = only the sampled token), "
-                f"got {self.logprobs!r}",
-            )
+        for name, what in (("logprobs", "the sampled token"), ("prompt_logprobs", "the prompt's own tokens")):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
+                raise InvalidParameter(
+                    name, f"{name} must be None or an int in [0, {MAX_LOGPROBS}] (0 = only {what}), got {value!r}"
+                )
         if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed < 2**64):
             raise InvalidParameter(
                 "seed", f"seed must be None or an int in [-2**63, 2**64) (torch's), got {self.seed!r}"
@@ -112,10 +115,11 @@ class SamplingParams:
     def _validate_counts(self) -> None:
         if not _is_int(self.n) or self.n < 1:
             raise InvalidParameter("n", f"n must be an int >= 1, got {self.n!r}")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
             raise InvalidParameter(
                 "max_tokens",
-                f"max_tokens must be an int >= 1 (or None to generate until max_model_len), got {self.max_tokens!r}",
+                f"max_tokens must be an int >= 0 (0: score the prompt only; None: generate until max_model_len), "
+                f"got {self.max_tokens!r}",
             )
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise InvalidParameter("min_tokens", f"min_tokens must be an int >= 0, got {self.min_tokens!r}")

@@ -77,7 +77,7 @@ class PagedHarness:
         self.tokens: dict[str, list[int]] = {}
 
     def step(self, chunks: list[tuple[str, list[int]]]) -> list[torch.Tensor]:
-        """One model call over ``(request, new tokens)`` chunks, decodes first; logits of every new token."""
+        """One model call over ``(request, new tokens)`` chunks; logits of every new token."""
         ids, positions, tables, query_lens, seq_lens = [], [], [], [], []
         for rid, new in chunks:
             done = self.tokens.setdefault(rid, [])

@@ -1,5 +1,5 @@
-"""ModelRunner lays a step out decodes first itself: the scheduler may hand it requests in any order, and each
-request gets the same logits either way, on either attention backend."""
+"""ModelRunner takes the scheduler's requests in any order, and each request gets the same logits either way,
+on either attention backend."""
 
 from __future__ import annotations
 
@@ -44,15 +44,15 @@ def run(runner: ModelRunner, scheduled: list[ScheduledRequest]) -> dict[str, tor
     """One step; each request's logits rows, found through the ``sampled`` list the runner returns."""
     for s in scheduled:
         assert runner.kv.allocate(s.request.request_id, s.request.num_computed_tokens + s.num_new_tokens)
-    logits, sampled = runner.execute(SchedulerOutput(scheduled, 0))
-    rows = logits.split([n for _, n in sampled])
-    return {scheduled[i].request.request_id: r for (i, _), r in zip(sampled, rows, strict=True)}
+    result = runner.execute(SchedulerOutput(scheduled, 0))
+    rows = result.logits.split([n for _, n in result.sampled])
+    return {scheduled[i].request.request_id: r for (i, _), r in zip(result.sampled, rows, strict=True)}
 
 
 @pytest.mark.parametrize("backend", [TorchAttention, KernelAttention])
 def test_any_order_gives_the_same_logits(backend):
     if backend is KernelAttention and not kernels.portable.available():
-        pytest.skip("the C++ decode kernel cannot be built here")
+        pytest.skip("the C++ attention kernel cannot be built here")
     results = []
     for order in ("decodes first", "prefills first"):
         r = runner(backend())

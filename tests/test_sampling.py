@@ -28,7 +28,8 @@ def sample(logits, params, prompts=None, outputs=None, generators=None, eos=()):
     ("kwargs", "field"),
     [
         ({"n": 0}, "n"),
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
         ({"temperature": -0.1}, "temperature"),

@@ -58,7 +58,11 @@ def reference(engine: LLMEngine) -> dict:
     concurrent_ids = [engine.apply_chat_template([{"role": "user", "content": p}]) for p in CONCURRENT]
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
     outs = run_offline(engine, [chat_ids, *text_ids, *concurrent_ids], greedy)
+    # The scoring references run cold; the server scores the same prompts with their blocks cached.
+    scored = run_offline(engine, [text_ids[1], chat_ids], SamplingParams(prompt_logprobs=3, max_tokens=0))
     return {
+        "scores": scored[0].prompt_logprobs,
+        "chat_scores": scored[1].prompt_logprobs,
         "chat": outs[0],
         "chat_prompt_len": len(chat_ids),
         "text": [o.text for o in outs[1:3]],
@@ -152,6 +156,64 @@ def test_completions_stream_raw_sse(server, reference):
     assert chunks[-1]["choices"][0]["finish_reason"] is not None
 
 
+def test_echo_scoring_call_of_evaluation_harnesses(client, reference):
+    """lm-eval's loglikelihood request: echo the prompt with its logprobs, generate nothing."""
+    resp = client.completions.create(model=MODEL, prompt=TEXT_PROMPTS[1], echo=True, logprobs=3, max_tokens=0)
+    choice, expected = resp.choices[0], reference["scores"]
+    assert choice.text == TEXT_PROMPTS[1] and choice.finish_reason == "length"
+    assert resp.usage.completion_tokens == 0 and resp.usage.prompt_tokens == len(expected)
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(expected) and "".join(lp.tokens) == TEXT_PROMPTS[1]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == [e.logprob for e in expected[1:]]  # bitwise: cache cold offline, warm here
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert all(
+        len(top) <= 3 and max(top.values()) >= lp.token_logprobs[i + 1] for i, top in enumerate(lp.top_logprobs[1:])
+    )
+
+
+def test_prompt_logprobs_extra_field_and_echo_with_generation(server, client, reference):
+    expected = reference["scores"]
+    resp = client.completions.create(
+        model=MODEL,
+        prompt=TEXT_PROMPTS[1],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        echo=True,
+        extra_body={"prompt_logprobs": 2},
+    )
+    choice = resp.model_dump()["choices"][0]
+    assert choice["text"] == TEXT_PROMPTS[1] + reference["text"][1]
+    scores = choice["prompt_logprobs"]
+    assert scores[0] is None and len(scores) == len(expected)
+    for position, entry in zip(scores[1:], expected[1:], strict=True):
+        assert len(position) <= 3 and position[str(entry.token_id)]["logprob"] == entry.logprob
+        for rank, (token, logprob) in enumerate(entry.top_logprobs[:2], start=1):
+            assert (position[str(token)]["logprob"], position[str(token)]["rank"]) == (logprob, rank)
+    chat = httpx.post(
+        server[1] + "/v1/chat/completions",
+        json={"model": MODEL, "messages": QUESTION, "max_tokens": 2, "prompt_logprobs": 0},
+        headers=AUTH,
+    ).json()
+    got = [None if p is None else next(v["logprob"] for v in p.values()) for p in chat["prompt_logprobs"]]
+    assert got == [None] + [e.logprob for e in reference["chat_scores"][1:]]
+
+
+def test_echo_stream_sends_the_prompt_and_its_scores_first(server, reference):
+    body = {"model": MODEL, "prompt": TEXT_PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    body |= {"echo": True, "logprobs": 1}
+    with httpx.stream("POST", server[1] + "/v1/completions", json=body, headers=AUTH) as resp:
+        chunks = [
+            json.loads(line.removeprefix("data: ")) for line in resp.iter_lines() if line and "[DONE]" not in line
+        ]
+    first = chunks[0]["choices"][0]
+    assert first["text"].startswith(TEXT_PROMPTS[1])
+    assert first["logprobs"]["token_logprobs"][1 : len(reference["scores"])] == [
+        e.logprob for e in reference["scores"][1:]
+    ]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == TEXT_PROMPTS[1] + reference["text"][1]
+
+
 def test_32_concurrent_streams_are_correct_and_free_every_block(server, reference):
     app, base_url = server
 
@@ -201,6 +263,8 @@ ERROR_CASES = [  # (path, body, status, param)
     (CHAT, {"model": MODEL, "messages": QUESTION, "top_p": 0}, 400, "top_p"),
     (CHAT, {"model": MODEL, "messages": QUESTION, "n": 0}, 400, "n"),
     (CHAT, {"model": MODEL, "messages": QUESTION, "max_tokens": 0}, 400, "max_tokens"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 21}, 400, "logprobs"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
     (CHAT, {"model": MODEL, "messages": QUESTION, "logprobs": True, "top_logprobs": 99}, 400, "top_logprobs"),
     (CHAT, {"model": MODEL, "messages": QUESTION, "presence_penalty": 3}, 400, "presence_penalty"),
     (CHAT, {"model": MODEL, "messages": QUESTION, "tools": [{"type": "function"}]}, 400, "tools"),

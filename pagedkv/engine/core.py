@@ -49,12 +49,12 @@ class EngineCore:
         if not step.scheduled:
             return []
         try:
-            logits, sampled = self.runner.execute(step)
+            result = self.runner.execute(step)
         except Exception:
             logger.exception("the model step failed; stopping the %d requests scheduled in it", len(step.scheduled))
             return [self.scheduler.fail(s.request) for s in step.scheduled]
-        out, failed = self._sample(logits, [(step.scheduled[i], n) for i, n in sampled])
-        return self.scheduler.update_from_output(step, sampled, out, failed)
+        out, failed = self._sample(result.logits, [(step.scheduled[i], n) for i, n in result.sampled])
+        return self.scheduler.update_from_output(step, result.sampled, out, failed, result.prompt_logprobs)
 
     def _sample(self, logits: torch.Tensor, rows: list[tuple[ScheduledRequest, int]]) -> tuple[SamplerOutput, set[str]]:
         """One batched sampler call; if it raises, each request alone, so only a request at fault fails.
@@ -62,6 +62,8 @@ class EngineCore:
         Returns the per-row output and the ids of requests whose rows could not be sampled (their rows hold 0).
         """
         requests = [s.request for s, n in rows for _ in range(n)]
+        if not requests:  # a step of prefill chunks (and prompts only scored) samples nothing
+            return SamplerOutput(token_ids=[]), set()
         try:
             return self._sample_rows(logits, requests), set()
         except Exception:

@@ -126,6 +126,7 @@ class LLMEngine:
         block_size = self.kv.block_size if self.kv.enable_prefix_caching else 0
         requests: list[Request] = []
         for index in range(params.n):
+            scorer = requests[0] if requests and params.prompt_logprobs is not None else None
             requests.append(
                 Request(
                     request_id=f"{request_id}#{index}" if params.n > 1 else request_id,
@@ -138,6 +139,7 @@ class LLMEngine:
                     generator=make_generator(None if params.seed is None else (params.seed + index) % 2**64),
                     block_size=block_size,
                     block_keys=list(requests[0].block_keys) if requests else [],  # n samples, one prompt
+                    scorer=scorer,
                 )
             )
         return requests

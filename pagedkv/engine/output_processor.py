@@ -22,6 +22,7 @@ from pagedkv.engine.request import (
     CompletionOutput,
     CoreOutput,
     OutputKind,
+    PromptLogprob,
     RequestOutput,
 )
 from pagedkv.sampling import SamplingParams
@@ -63,6 +64,10 @@ class GroupState:
     samples: list[SampleState]
     arrival_time: float = field(default_factory=time.perf_counter)
     num_cached_tokens: int = 0
+    # with SamplingParams.prompt_logprobs: one entry per prompt position (None for the first), filled as the
+    # prefill chunks are scored; every output carries the list (not a copy) once every position has one
+    prompt_logprobs: list[PromptLogprob | None] | None = None
+    prompt_logprobs_ready: bool = False
 
     @property
     def finished(self) -> bool:
@@ -100,7 +105,11 @@ class OutputProcessor:
             )
             for i, rid in enumerate(request_ids)
         ]
-        return GroupState(group_id, prompt, prompt_token_ids, output_kind, samples)
+        group = GroupState(group_id, prompt, prompt_token_ids, output_kind, samples)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(prompt_token_ids)
+            group.prompt_logprobs_ready = len(prompt_token_ids) <= 1
+        return group
 
     def add(self, group: GroupState) -> None:
         self.groups[group.group_id] = group
@@ -139,6 +148,10 @@ class OutputProcessor:
             group, sample = entry
             touched[group.group_id] = group
             group.num_cached_tokens = core.num_cached_tokens
+            if core.prompt_logprobs is not None and group.prompt_logprobs is not None:
+                start, entries = core.prompt_logprobs  # a prompt scored again after a preemption: same values
+                group.prompt_logprobs[start : start + len(entries)] = entries
+                group.prompt_logprobs_ready |= start + len(entries) == len(group.prompt_logprobs)
             try:
                 stop = self._apply(sample, core, now)
             except Exception:
@@ -229,4 +242,5 @@ def _build_output(group: GroupState) -> RequestOutput:
         finished=group.finished,
         metrics={"arrival_time": group.arrival_time, "ttft": ttft, "last_token_time": first.last_token_time or 0.0},
         error=INTERNAL_ERROR if any(s.finish_reason == "error" for s in group.samples) else None,
+        prompt_logprobs=group.prompt_logprobs if group.prompt_logprobs_ready else None,
     )

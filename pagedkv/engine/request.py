@@ -57,6 +57,13 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+    # The current admission's prefix-cache hit: K/V of positions below it lie in shared blocks and are never
+    # written again (a request scoring its prompt still runs those positions, for their logits).
+    num_hit_tokens: int = 0
+    prompt_scored: bool = False  # prompt_logprobs computed (they are not computed again after a preemption)
+    # The group's first sample, when it scores the prompt: the other samples start once it has, so every
+    # sample's first output comes with the prompt logprobs (and they hit its blocks in the cache).
+    scorer: Request | None = None
     block_keys: list[BlockKey] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
@@ -97,6 +104,23 @@ class Request:
     def is_prefilling(self) -> bool:
         return self.num_computed_tokens < self.num_prompt_tokens
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether this prefill computes prompt logprobs: asked for, not done yet, and the group's first
+        sample only (the n samples share one prompt)."""
+        return self.params.prompt_logprobs is not None and self.index == 0 and not self.prompt_scored
+
+
+@dataclass(slots=True)
+class PromptLogprob:
+    """How likely the model found one prompt token, given the tokens before it (vLLM's prompt_logprobs):
+    its logprob, its rank among the vocabulary (1 = the most likely), and the top-N alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_logprobs: list[tuple[int, float]]
+
 
 @dataclass(slots=True)
 class CoreOutput:
@@ -110,6 +134,8 @@ class CoreOutput:
     num_cached_tokens: int = 0
     logprobs: list[float] | None = None  # one per new token, for requests that asked
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # prompt logprobs computed this step: (position of the first one, one entry per position from there)
+    prompt_logprobs: tuple[int, list[PromptLogprob]] | None = None
 
     @classmethod
     def of(cls, request: Request, new_token_ids: list[int]) -> CoreOutput:
@@ -147,6 +173,8 @@ class RequestOutput:
     """The state of one request (all its samples). ``text`` / ``token_ids`` read the first sample.
 
     ``error``: set when a sample finished with "error"; a message safe to show the client.
+    ``prompt_logprobs``: with ``SamplingParams.prompt_logprobs``, one entry per prompt token, None for the
+    first (nothing precedes it), in every output from the one where the whole prompt is scored.
     """
 
     request_id: str
@@ -157,6 +185,7 @@ class RequestOutput:
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
     @property
     def text(self) -> str:

@@ -99,6 +99,7 @@ def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
         _merge_sample(a, b)
     into.finished, into.num_cached_tokens, into.error = new.finished, new.num_cached_tokens, new.error
     into.metrics = new.metrics
+    into.prompt_logprobs = new.prompt_logprobs or into.prompt_logprobs
 
 
 def _merge_sample(a: CompletionOutput, b: CompletionOutput) -> None:

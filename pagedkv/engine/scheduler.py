@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedkv.engine import speculative
-from pagedkv.engine.request import CoreOutput, Request, RequestStatus
+from pagedkv.engine.request import CoreOutput, PromptLogprob, Request, RequestStatus
 from pagedkv.kv.hashing import BlockKey
 from pagedkv.kv.manager import KVCacheManager, PrefixHit
 from pagedkv.sampler import SamplerOutput
@@ -44,7 +44,7 @@ class ScheduledRequest:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest]  # in scheduling order; the runner orders rows for attention
+    scheduled: list[ScheduledRequest]  # in scheduling order, which is also the order of the step's rows
     num_preempted: int
 
     @property
@@ -153,18 +153,26 @@ class Scheduler:
         deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.popleft()
+            scorer = request.scorer
+            if scorer is not None and not (scorer.prompt_scored or scorer.is_finished):
+                deferred.append(request)  # its prompt's logprobs come first (see Request.scorer)
+                continue
             hit = self.kv.find_cached_prefix(request.block_keys, request.num_tokens)
             first_new_block = len(hit.block_ids)
             if first_new_block < len(request.block_keys) and request.block_keys[first_new_block] in in_flight:
                 deferred.append(request)
                 continue
-            num_new = min(request.num_tokens - hit.num_tokens, budget)
-            if not self._allocate(request, hit.num_tokens + num_new, prefix=hit):
+            # Scoring the prompt needs every position's logits: its prefill starts at 0 over the cached
+            # blocks (their K/V is read, not written again), as much work as a cold run and never more.
+            start = 0 if request.scores_prompt else hit.num_tokens
+            num_new = min(request.num_tokens - start, budget)
+            if not self._allocate(request, max(hit.num_tokens, start + num_new), prefix=hit):
                 self.waiting.appendleft(request)
                 break
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = hit.num_tokens
-            request.num_computed_tokens = hit.num_tokens
+            request.num_hit_tokens = hit.num_tokens
+            request.num_computed_tokens = start
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new))
@@ -204,11 +212,13 @@ class Scheduler:
         sampled: list[tuple[int, int]],
         out: SamplerOutput,
         failed: set[str] = frozenset(),
+        prompt_logprobs: dict[int, tuple[int, list[PromptLogprob]]] | None = None,
     ) -> list[CoreOutput]:
         """Advance every scheduled request by what the step computed and sampled; one CoreOutput each.
 
         ``sampled``: ``(index in step.scheduled, rows)`` of the requests that got logits rows, in row order
-        (``rows`` is 1 + drafts). ``failed``: ids whose rows could not be sampled. A request whose update
+        (``rows`` is 1 + drafts). ``failed``: ids whose rows could not be sampled. ``prompt_logprobs``: by
+        index in step.scheduled, the prompt logprobs computed for it (the runner's). A request whose update
         raises is stopped with "error" alone; the others go on.
         """
         rows_of: dict[int, tuple[int, int]] = {}
@@ -224,7 +234,10 @@ class Scheduler:
             try:
                 if request.request_id in failed:
                     raise RuntimeError("sampling failed")
-                outputs.append(self._advance(s, rows_of.get(i), out))
+                core = self._advance(s, rows_of.get(i), out)
+                if prompt_logprobs and i in prompt_logprobs:
+                    core.prompt_logprobs = prompt_logprobs[i]
+                outputs.append(core)
             except Exception:
                 logger.exception("request %s failed; stopping it", request.request_id)
                 outputs.append(self.fail(request))
@@ -243,8 +256,12 @@ class Scheduler:
         self.counters["prompt_tokens_computed"] += max(
             0, min(request.num_prompt_tokens, request.num_computed_tokens) - start
         )
-        if rows is None:
-            return CoreOutput.of(request, [])  # a prefill chunk with more to come
+        if request.scores_prompt and not request.is_prefilling:
+            request.prompt_scored = True
+        if rows is None:  # a prefill chunk with more to come, or a prompt to score only (max_tokens=0)
+            if request.params.max_tokens == 0 and not request.is_prefilling:
+                self.finish(request, "length")
+            return CoreOutput.of(request, [])
         first, n = rows
         chosen = out.token_ids[first : first + n]
         accepted = speculative.accepted_length(s.draft_token_ids, chosen)

@@ -84,6 +84,11 @@ class TokenizerWorker:
             self._token_texts = self._pool.submit(self._decode_vocabulary)
         return await asyncio.wrap_future(self._token_texts)
 
+    async def decode(self, token_ids: list[int]) -> str:
+        """The text of these ids (special tokens kept, no clean-up): what echo gives back for a token prompt."""
+        job = self._pool.submit(self._tokenizer.decode, token_ids, clean_up_tokenization_spaces=False)
+        return await asyncio.wrap_future(job)
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -100,7 +105,7 @@ class TokenizerWorker:
             token_ids = self._tokenize(prompt)
             built = self._engine.make_requests(group_id, token_ids, params, cache_salt)
             ids, prompt_ids = [r.request_id for r in built], built[0].prompt_token_ids
-            groups.append(self.processor.make_group(group_id, ids, None, prompt_ids, params, output_kind))
+            groups.append(self.processor.make_group(group_id, ids, prompt.prompt, prompt_ids, params, output_kind))
             requests.append(built)
         for group in groups:
             self.processor.add(group)

@@ -1,7 +1,7 @@
 """Request and response bodies of the OpenAI API subset we serve, and OpenAI-style errors.
 
 Requests accept unknown fields (clients such as the ``openai`` package send extras like ``user`` or
-``store``) but reject the ones whose meaning we would silently ignore (``tools``, ``echo``,
+``store``) but reject the ones whose meaning we would silently ignore (``tools``, ``suffix``,
 ``response_format``, vLLM's ``guided_*``, ...): a client that asks for a feature must hear that it is
 missing rather than get a plausible wrong answer.
 Sampling values are range-checked by ``SamplingParams``, whose messages name the field; pydantic here
@@ -22,7 +22,6 @@ UNSUPPORTED_FIELDS = (
     "functions",
     "function_call",
     "logit_bias",
-    "echo",
     "suffix",
     "best_of",
     "audio",
@@ -32,7 +31,6 @@ UNSUPPORTED_FIELDS = (
     "guided_regex",
     "guided_choice",
     "guided_grammar",
-    "prompt_logprobs",
     "allowed_token_ids",
     "bad_words",
     "logits_processors",
@@ -54,6 +52,7 @@ SAMPLING_FIELDS = (
     "ignore_eos",
     "skip_special_tokens",
     "include_stop_str_in_output",
+    "prompt_logprobs",
 )
 
 
@@ -105,6 +104,7 @@ class _SamplingRequest(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    prompt_logprobs: int | None = None  # vLLM's extra field: the prompt tokens' logprobs and top-k
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
@@ -149,6 +149,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
+    echo: bool = False  # the prompt comes back before the completion (with logprobs: scored, first token None)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -165,7 +166,14 @@ class CompletionRequest(_SamplingRequest):
         raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of those")
 
     def to_sampling_params(self) -> SamplingParams:
+        """``echo`` with ``logprobs: k`` scores the prompt too: that is the evaluation harnesses' call
+        (with ``max_tokens: 0``), so the engine computes prompt logprobs with the larger of the two k's."""
         extra = {"max_tokens": self.max_tokens, "logprobs": self.logprobs}
+        k = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:  # out-of-range values go on to SamplingParams' checks
+            extra["prompt_logprobs"] = (
+                self.logprobs if k is None or min(k, self.logprobs) < 0 else max(k, self.logprobs)
+            )
         return sampling_params(self.sampling_kwargs() | extra)
 
 
@@ -208,6 +216,13 @@ class ChatCompletionRequest(_SamplingRequest):
         max_tokens = self.max_tokens
         if self.max_completion_tokens is not None:
             max_tokens, renames["max_tokens"] = self.max_completion_tokens, "max_completion_tokens"
+        if max_tokens == 0:
+            raise APIError(
+                400,
+                f"{renames.get('max_tokens', 'max_tokens')} must be >= 1 for a chat completion (to score a prompt "
+                "without generating, use /v1/completions with max_tokens 0 and echo or prompt_logprobs)",
+                param=renames.get("max_tokens", "max_tokens"),
+            )
         extra = {"max_tokens": max_tokens, "logprobs": logprobs}
         return sampling_params(self.sampling_kwargs() | extra, renames)
 

@@ -22,10 +22,26 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """The legacy logprobs of a completion; with ``echo``, the prompt's tokens come first (the first one
+    None: nothing precedes it)."""
+
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptTokenLogprob(BaseModel):
+    """vLLM's Logprob, for the ``prompt_logprobs`` extra field."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token, None for the first, else {token id: Logprob} for the top-k and
+# the actual token
+PromptLogprobs = list[dict[str, PromptTokenLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -34,6 +50,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -79,6 +96,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatDelta(BaseModel):
@@ -105,6 +123,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # in the first chunk after the prompt was scored
 
 
 class ModelCard(BaseModel):

@@ -69,7 +69,8 @@ class ServingContext:
         stream: bool,
     ) -> RequestStream:
         """Tokenize and queue the prompts; map engine refusals to OpenAI errors (400 / 500 / 503)."""
-        if params.logprobs is not None and not self._token_texts:
+        wants_texts = params.logprobs is not None or params.prompt_logprobs is not None
+        if wants_texts and not self._token_texts:
             self._token_texts = await self.engine.tokenizer.token_texts()
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:

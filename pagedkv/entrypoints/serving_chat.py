@@ -2,6 +2,8 @@
 
 Streaming follows the OpenAI shape: a first chunk per choice carrying ``role``, then content deltas, then
 a chunk with the finish_reason, then (with ``stream_options.include_usage``) a usage chunk with no choices.
+vLLM's ``prompt_logprobs`` extra field scores the rendered prompt: a top-level field of the response, or of
+the first chunk that has them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pagedkv.engine.async_client import EnginePrompt, RequestStream
+from pagedkv.engine.request import RequestOutput
+from pagedkv.entrypoints.prompt_scores import vllm_prompt_logprobs
 from pagedkv.entrypoints.protocol import ChatCompletionRequest
 from pagedkv.entrypoints.responses import (
     AssistantMessage,
@@ -21,6 +25,7 @@ from pagedkv.entrypoints.responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     ChatDelta,
+    PromptLogprobs,
 )
 from pagedkv.entrypoints.serving import (
     EventStreamResponse,
@@ -57,8 +62,15 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
             for sample in output.outputs
         ],
         usage=usage(stream),
+        prompt_logprobs=_prompt_scores(ctx, body, output),
     )
     return Response(response.model_dump_json(), media_type="application/json")
+
+
+def _prompt_scores(ctx: ServingContext, body: ChatCompletionRequest, output: RequestOutput) -> PromptLogprobs | None:
+    if body.prompt_logprobs is None or output.prompt_logprobs is None:
+        return None
+    return vllm_prompt_logprobs(ctx, output.prompt_logprobs, body.prompt_logprobs)
 
 
 async def _stream_events(
@@ -73,6 +85,7 @@ async def _stream_events(
 
     yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")) for i in range(n)])
     reported: set[tuple[int, int]] = set()
+    scores_sent = False
     async for index, output in stream:
         choices = [
             ChatChunkChoice(
@@ -83,7 +96,9 @@ async def _stream_events(
             )
             for sample in fresh_samples(index, output, reported)
         ]
-        if choices:
-            yield chunk(choices)
+        scores = None if scores_sent else _prompt_scores(ctx, body, output)
+        scores_sent |= scores is not None
+        if choices or scores:
+            yield chunk(choices, prompt_logprobs=scores)
     if body.include_usage:
         yield chunk([], usage=usage(stream))

@@ -1,7 +1,9 @@
 """POST /v1/completions: text or token-id prompts, one engine request per prompt.
 
 Choice ``index`` is ``prompt_index * n + sample_index``, as in the OpenAI API, so a batch of prompts with
-n samples each comes back in one flat list that a client can map back without extra fields.
+n samples each comes back in one flat list that a client can map back without extra fields. ``echo`` and
+vLLM's ``prompt_logprobs`` return the prompt's scores (``pagedkv.entrypoints.prompt_scores``); streamed,
+they come with each choice's first event.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pagedkv.engine.async_client import EnginePrompt, RequestStream
+from pagedkv.engine.request import CompletionOutput, RequestOutput
+from pagedkv.entrypoints.prompt_scores import echo_choice, echoed_prompt, vllm_prompt_logprobs
 from pagedkv.entrypoints.protocol import APIError, CompletionRequest
 from pagedkv.entrypoints.responses import CompletionChoice, CompletionResponse
 from pagedkv.entrypoints.serving import (
@@ -47,23 +51,44 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
         events = _stream_events(ctx, stream, body, params.n)
         return EventStreamResponse(stream, events, ctx.limits.stream_stall_timeout_s)
     outputs = await collect(stream, request)
-    response = CompletionResponse(
-        id=stream.request_id,
-        model=ctx.model_name,
-        choices=[
-            CompletionChoice(
-                index=i * params.n + sample.index,
-                text=sample.text,
-                logprobs=completion_logprobs(ctx, sample, delta=False),
-                finish_reason=sample.finish_reason,
-                stop_reason=sample.stop_reason,
-            )
-            for i, output in enumerate(outputs)
-            for sample in output.outputs
-        ],
-        usage=usage(stream),
-    )
+    choices = []
+    for i, output in enumerate(outputs):
+        prompt_text = await echoed_prompt(ctx, output) if body.echo else None
+        for sample in output.outputs:
+            index = i * params.n + sample.index
+            choices.append(_choice(ctx, body, output, sample, index, prompt_text, delta=False, first=True))
+    response = CompletionResponse(id=stream.request_id, model=ctx.model_name, choices=choices, usage=usage(stream))
     return Response(response.model_dump_json(), media_type="application/json")
+
+
+def _choice(
+    ctx: ServingContext,
+    body: CompletionRequest,
+    output: RequestOutput,
+    sample: CompletionOutput,
+    index: int,
+    prompt_text: str | None,
+    delta: bool,
+    first: bool,
+    offset: int = 0,
+) -> CompletionChoice:
+    """One choice, or one event of it; ``prompt_text`` (echo) and the prompt's scores come in the first."""
+    if prompt_text is not None:
+        text, logprobs = echo_choice(ctx, output, prompt_text, sample, delta, body.logprobs)
+    else:
+        text = sample.delta_text if delta else sample.text
+        logprobs = completion_logprobs(ctx, sample, delta, offset=offset)
+    scores = None
+    if body.prompt_logprobs is not None and first:
+        scores = vllm_prompt_logprobs(ctx, output.prompt_logprobs or [], body.prompt_logprobs)
+    return CompletionChoice(
+        index=index,
+        text=text,
+        logprobs=logprobs,
+        finish_reason=sample.finish_reason,
+        stop_reason=sample.stop_reason,
+        prompt_logprobs=scores,
+    )
 
 
 async def _stream_events(
@@ -76,17 +101,12 @@ async def _stream_events(
         choices = []
         for sample in fresh_samples(index, output, reported):
             key = (index, sample.index)
+            first = key not in sent_chars
+            prompt_text = await echoed_prompt(ctx, output) if body.echo and first else None
             offset = sent_chars.get(key, 0)
-            sent_chars[key] = offset + len(sample.delta_text)
-            choices.append(
-                CompletionChoice(
-                    index=index * n + sample.index,
-                    text=sample.delta_text,
-                    logprobs=completion_logprobs(ctx, sample, delta=True, offset=offset),
-                    finish_reason=sample.finish_reason,
-                    stop_reason=sample.stop_reason,
-                )
-            )
+            choice = _choice(ctx, body, output, sample, index * n + sample.index, prompt_text, True, first, offset)
+            sent_chars[key] = offset + len(choice.text)
+            choices.append(choice)
         if choices:
             yield CompletionResponse(id=stream.request_id, created=created, model=ctx.model_name, choices=choices)
     if body.include_usage:

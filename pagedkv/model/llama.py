@@ -141,13 +141,32 @@ class LlamaForCausalLM(nn.Module):
 
         Only those rows go through the final norm and the LM head, the largest GEMM of a small model.
         """
+        return self.compute_logits(self.hidden_states(input_ids, positions, meta, kv_caches, logits_indices))
+
+    @torch.inference_mode()
+    def hidden_states(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[Tensor, Tensor]],
+        rows: Tensor,
+    ) -> Tensor:
+        """The final (normed) hidden states ``[len(rows), hidden]`` of chosen rows: what the LM head reads.
+
+        A caller that needs logits for many rows (scoring a prompt) turns them into logits a slice at a
+        time with :meth:`compute_logits`, instead of holding ``rows x vocab`` floats at once.
+        """
         if len(kv_caches) != self.spec.num_layers:
             raise ValueError(f"need one (k_pool, v_pool) per layer: {self.spec.num_layers}, got {len(kv_caches)}")
         h = nn.functional.embedding(input_ids, self.embed_tokens).float()
         cos, sin = self.rotary.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h = layer(h, cos, sin, meta, kv_cache)
-        return self.lm_head(self.norm(h[logits_indices])).float()
+        return self.norm(h[rows])
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden).float()
 
     def load_weights(self, tensors: dict[str, Tensor]) -> None:
         """Copy a checkpoint given by HF parameter names; raises on missing or unexpected weights."""
