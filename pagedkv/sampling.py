@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagedkv.errors import InvalidParameter
+from pagedkv.structured import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows to inf/nan, and the
 # distribution is a point mass on the argmax for all practical purposes anyway (vLLM uses the same cut).
@@ -66,6 +67,8 @@ class SamplingParams:
     as stop_token_id_set). logprobs: return the sampled token's logprob plus the top-N (0..20)
     alternatives, all from the raw model logits. prompt_logprobs: the same for every prompt token after the
     first (vLLM's name): the log-probability the model gave it, its rank, and the top-N (0..20).
+    structured_outputs: a grammar the output must follow (`pagedkv.structured.StructuredOutputsParams`, or
+    a dict of its fields); the logprobs of such a request are those of the constrained distribution.
 
     Every value these checks accept is safe for the sampler in float32 (see the bounds above); whether
     min_tokens leaves any token to sample depends on the model, so `verify_for_model` checks that.
@@ -87,6 +90,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | dict | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Derived from stop_token_ids at creation: the engine asks "is this token a stop id?" every step, and a
@@ -108,6 +112,8 @@ class SamplingParams:
             raise InvalidParameter(
                 "seed", f"seed must be None or an int in [-2**63, 2**64) (torch's), got {self.seed!r}"
             )
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParameter(name, f"{name} must be a bool, got {getattr(self, name)!r}")

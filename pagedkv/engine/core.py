@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from pagedkv import structured
 from pagedkv.engine.request import CoreOutput, Request
 from pagedkv.engine.runner import ModelRunner
-from pagedkv.engine.scheduler import ScheduledRequest, Scheduler
+from pagedkv.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from pagedkv.sampler import Sampler, SamplerOutput
 
 logger = logging.getLogger(__name__)
@@ -30,6 +32,8 @@ class EngineCore:
         self.scheduler = scheduler
         self.runner = runner
         self.sampler = sampler
+        self._vocab_size = runner.model.spec.vocab_size
+        self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedkv-grammar")
 
     def add(self, requests: Sequence[Request]) -> None:
         """Queue built requests (the n samples of one prompt together)."""
@@ -48,13 +52,42 @@ class EngineCore:
         step = self.scheduler.schedule()
         if not step.scheduled:
             return []
+        # Grammar masks are computed on another thread while the model runs (llguidance releases the GIL).
+        masking = None
+        if any(s.request.grammar is not None for s in step.scheduled):
+            masking = self._mask_thread.submit(self._grammar_masks, step)
         try:
             result = self.runner.execute(step)
         except Exception:
             logger.exception("the model step failed; stopping the %d requests scheduled in it", len(step.scheduled))
+            if masking is not None:
+                masking.result()  # the matchers are the step's own until the thread is done with them
             return [self.scheduler.fail(s.request) for s in step.scheduled]
-        out, failed = self._sample(result.logits, [(step.scheduled[i], n) for i, n in result.sampled])
-        return self.scheduler.update_from_output(step, result.sampled, out, failed, result.prompt_logprobs)
+        rows = [(step.scheduled[i], n) for i, n in result.sampled]
+        failed: set[str] = set()
+        if masking is not None:
+            masks, failed = masking.result()
+            _apply_grammar_masks(result.logits, rows, masks)
+        out, sampling_failed = self._sample(result.logits, rows)
+        return self.scheduler.update_from_output(
+            step, result.sampled, out, failed | sampling_failed, result.prompt_logprobs
+        )
+
+    def _grammar_masks(self, step: SchedulerOutput) -> tuple[dict[str, torch.Tensor], set[str]]:
+        """Allowed-token bitmasks of the step's sampled rows with a grammar, by request id; a request whose
+        matcher fails is reported (and stopped with "error") rather than failing the step."""
+        masks: dict[str, torch.Tensor] = {}
+        failed: set[str] = set()
+        for s in step.scheduled:
+            grammar = s.request.grammar
+            if grammar is None or not s.is_sampled:
+                continue
+            try:
+                masks[s.request.request_id] = structured.fill_masks(grammar, s.draft_token_ids, self._vocab_size)
+            except Exception:
+                logger.exception("the grammar of request %s failed; stopping it", s.request.request_id)
+                failed.add(s.request.request_id)
+        return masks, failed
 
     def _sample(self, logits: torch.Tensor, rows: list[tuple[ScheduledRequest, int]]) -> tuple[SamplerOutput, set[str]]:
         """One batched sampler call; if it raises, each request alone, so only a request at fault fails.
@@ -104,6 +137,22 @@ class EngineCore:
         stats["num_requests_waiting"] = len(scheduler.waiting)
         stats["num_preemptions"] = scheduler.num_preemptions
         return stats
+
+
+def _apply_grammar_masks(
+    logits: torch.Tensor, rows: list[tuple[ScheduledRequest, int]], masks: dict[str, torch.Tensor]
+) -> None:
+    """Mask the logits rows of requests with a grammar; the other rows keep every token."""
+    if not masks:
+        return
+    full = torch.full((logits.shape[0], structured.bitmask_words(logits.shape[1])), -1, dtype=torch.int32)
+    row = 0
+    for s, n in rows:
+        mask = masks.get(s.request.request_id)
+        if mask is not None:
+            full[row : row + n] = mask
+        row += n
+    structured.apply_masks(logits, full)
 
 
 def _history(request: Request) -> tuple[Sequence[int], Sequence[int]]:

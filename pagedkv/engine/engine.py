@@ -33,6 +33,7 @@ from pagedkv.kv.manager import KVCacheManager
 from pagedkv.model.loader import load_model
 from pagedkv.sampler import Sampler, make_generator
 from pagedkv.sampling import SamplingParams
+from pagedkv.structured import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class LLMEngine:
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
         self.core = EngineCore(self.scheduler, self.runner, self.sampler)
         self.processor = OutputProcessor(self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, sorted(self.eos_token_ids))
         self._ids = itertools.count()
         logger.info(
             "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, attention %s, kernels %s",
@@ -124,6 +126,7 @@ class LLMEngine:
         token_ids = _as_token_ids(prompt_token_ids)
         self._validate(token_ids, params, cache_salt)
         block_size = self.kv.block_size if self.kv.enable_prefix_caching else 0
+        structured = params.structured_outputs
         requests: list[Request] = []
         for index in range(params.n):
             scorer = requests[0] if requests and params.prompt_logprobs is not None else None
@@ -140,6 +143,7 @@ class LLMEngine:
                     block_size=block_size,
                     block_keys=list(requests[0].block_keys) if requests else [],  # n samples, one prompt
                     scorer=scorer,
+                    grammar=None if structured is None else self.grammars.matcher(structured),
                 )
             )
         return requests

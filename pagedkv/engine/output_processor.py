@@ -175,7 +175,7 @@ class OutputProcessor:
                 sample.top_logprobs.append(core.top_logprobs[j])
             sample.first_token_time = sample.first_token_time or now
             sample.last_token_time = now
-            stop_token = last and core.finish_reason == "stop"  # EOS or a stop id: not part of the text
+            stop_token = last and core.stop_token  # EOS or a stop id: not part of the text
             if not stop_token:
                 detokenizer.add_token(token)
             if detokenizer.stop_reason is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -64,17 +65,21 @@ class Request:
     # The group's first sample, when it scores the prompt: the other samples start once it has, so every
     # sample's first output comes with the prompt logprobs (and they hit its blocks in the cache).
     scorer: Request | None = None
+    grammar: Any = None  # an llguidance matcher with structured_outputs (pagedkv.structured), else None
     block_keys: list[BlockKey] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    stopped_on_token: bool = False  # its last token was EOS or a stop id (not part of the text)
 
     def __post_init__(self) -> None:
         self._key_full_blocks()
 
     def append_tokens(self, token_ids: list[int]) -> None:
-        """Append sampled (verified) tokens and key the blocks they complete."""
+        """Append sampled (verified) tokens, key the blocks they complete, and advance the grammar."""
         self.token_ids.extend(token_ids)
         self._key_full_blocks()
+        if self.grammar is not None and not self.grammar.consume_tokens(token_ids):
+            raise RuntimeError(f"the grammar refused a sampled token: {self.grammar.get_error()}")
 
     def _key_full_blocks(self) -> None:
         if self.block_size and len(self.token_ids) // self.block_size > len(self.block_keys):
@@ -132,6 +137,7 @@ class CoreOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
+    stop_token: bool = False  # the last new token ended the request as EOS or a stop id: not part of the text
     logprobs: list[float] | None = None  # one per new token, for requests that asked
     top_logprobs: list[list[tuple[int, float]]] | None = None
     # prompt logprobs computed this step: (position of the first one, one entry per position from there)
@@ -145,6 +151,7 @@ class CoreOutput:
             request.finish_reason,
             request.stop_reason,
             request.num_cached_tokens or 0,
+            request.stopped_on_token,
         )
 
 

@@ -83,7 +83,7 @@ class ModelRunner:
             query_lens.append(s.num_scheduled_tokens)
             seq_lens.append(end)
             rows = 1 + len(s.draft_token_ids)
-            if start + s.num_new_tokens == request.num_tokens and request.params.max_tokens != 0:
+            if s.is_sampled:
                 logits_rows.extend(range(len(input_ids) - rows, len(input_ids)))
                 sampled.append((i, rows))
         meta = self.model.attention.build_metadata(block_tables, query_lens, seq_lens, self.kv.block_size)

@@ -41,6 +41,14 @@ class ScheduledRequest:
         """Rows this request puts into the step: its new tokens and its drafts."""
         return self.num_new_tokens + len(self.draft_token_ids)
 
+    @property
+    def is_sampled(self) -> bool:
+        """Whether this step samples for it: it reaches the end of its known tokens (a decode, or its last
+        prefill chunk), unless it only scores its prompt (max_tokens=0)."""
+        request = self.request
+        end = request.num_computed_tokens + self.num_new_tokens
+        return end == request.num_tokens and request.params.max_tokens != 0
+
 
 @dataclass(slots=True)
 class SchedulerOutput:
@@ -140,7 +148,10 @@ class Scheduler:
             limit = min(limit, max_tokens - request.num_output_tokens - 1)
         if self.max_model_len is not None:
             limit = min(limit, self.max_model_len - request.num_tokens - 1)
-        return speculative.propose(request.token_ids, limit)
+        drafts = speculative.propose(request.token_ids, limit)
+        if drafts and request.grammar is not None:  # a draft the grammar refuses could never be accepted
+            drafts = drafts[: request.grammar.validate_tokens(drafts)]
+        return drafts
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
         """Admit waiting requests in arrival order while blocks, budget and seats last.
@@ -286,11 +297,16 @@ class Scheduler:
         params = request.params
         if request.num_output_tokens >= params.min_tokens:
             if token in self.eos_token_ids and not params.ignore_eos:
+                request.stopped_on_token = True
                 self.finish(request, "stop")
                 return True
             if token in params.stop_token_id_set:
+                request.stopped_on_token = True
                 self.finish(request, "stop", token)
                 return True
+        if request.grammar is not None and request.grammar.is_stopped():  # the structure is complete
+            self.finish(request, "stop")
+            return True
         if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
             self.finish(request, "length")
             return True
