@@ -267,7 +267,7 @@ ERROR_CASES = [  # (path, body, status, param)
     (COMPLETIONS, {"model": MODEL, "prompt": "hi", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
     (CHAT, {"model": MODEL, "messages": QUESTION, "logprobs": True, "top_logprobs": 99}, 400, "top_logprobs"),
     (CHAT, {"model": MODEL, "messages": QUESTION, "presence_penalty": 3}, 400, "presence_penalty"),
-    (CHAT, {"model": MODEL, "messages": QUESTION, "tools": [{"type": "function"}]}, 400, "tools"),
+    (CHAT, {"model": MODEL, "messages": QUESTION, "functions": [{"name": "f"}]}, 400, "functions"),
     (CHAT, {"model": MODEL}, 400, "messages"),
     (CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages"),

@@ -66,8 +66,30 @@ HOSTILE = [  # (path, body, expected status, expected param)
     (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [2**70]}, 400, "stop_token_ids"),
     (COMPLETIONS, {"prompt": "hi", "logprobs": 10**9}, 400, "logprobs"),
     (COMPLETIONS, {"prompt": "hi", "max_tokens": -5}, 400, "max_tokens"),
-    (COMPLETIONS, {"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
-    (COMPLETIONS, {"prompt": "hi", "guided_json": {"type": "object"}}, 400, "guided_json"),
+    # structured outputs that cannot compile, or are too big to try: a 400 naming the field, never a
+    # silently unconstrained answer
+    (COMPLETIONS, {"prompt": "hi", "response_format": {"type": "yaml"}}, 400, "response_format"),
+    (
+        COMPLETIONS,
+        {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {}}},
+        400,
+        "response_format",
+    ),
+    (
+        CHAT,
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}},
+        },
+        400,
+        "response_format",
+    ),
+    (COMPLETIONS, {"prompt": "hi", "guided_regex": "("}, 400, "guided_regex"),
+    (COMPLETIONS, {"prompt": "hi", "structured_outputs": {"grammar": "start: (("}}, 400, "structured_outputs"),
+    (COMPLETIONS, {"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400, "structured_outputs"),
+    (COMPLETIONS, {"prompt": "hi", "structured_outputs": {"json": {"type": "object"}}, "guided_regex": "a"}, 400, "structured_outputs"),
+    (COMPLETIONS, {"prompt": "hi", "guided_choice": ["x" * 100] * 1000}, 400, "guided_choice"),
+    (COMPLETIONS, {"prompt": "hi", "structured_outputs": {"regex": "(a|b)*" * 30_000}}, 400, "structured_outputs"),
     (COMPLETIONS, {"prompt": "hi", "user": {"deep": nested(40)}}, 400, "user"),
     (COMPLETIONS, {"prompt": "hi", "user": [0] * 100_000}, 400, "user"),
     # accepted values at the very edge of each range: a normal answer

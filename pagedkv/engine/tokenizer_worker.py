@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedkv.engine.output_processor import OutputProcessor, Stop
 from pagedkv.engine.prompts import encode_text, render_chat
@@ -35,11 +35,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class EnginePrompt:
-    """One prompt as text, token ids, or chat messages (tokenized on the tokenizer worker)."""
+    """One prompt as text, token ids, or chat messages (tokenized on the tokenizer worker); ``tools`` go to
+    a chat template that renders them itself."""
 
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
 class TokenizerWorker:
@@ -129,7 +131,7 @@ class TokenizerWorker:
             return list(prompt.prompt_token_ids)
         if prompt.messages is not None:
             try:
-                return render_chat(self._tokenizer, prompt.messages)
+                return render_chat(self._tokenizer, prompt.messages, tools=prompt.tools)
             except Exception as exc:
                 raise ValueError(f"messages could not be rendered with the model's chat template: {exc}") from exc
         if prompt.prompt is None:

@@ -11,10 +11,11 @@ So before pydantic sees a body, ``check_shape`` walks the parsed JSON once (dept
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from pagedkv.entrypoints.protocol import APIError
+from pagedkv.entrypoints.protocol import GRAMMAR_FIELDS, APIError
 
 
 def _limit_field(default: float | None, help: str) -> Any:
@@ -37,6 +38,9 @@ class ServerLimits:
     max_messages: int = _limit_field(512, "chat messages per request")
     max_list_items: int = _limit_field(4096, "items of any other list in a request body")
     max_json_depth: int = _limit_field(32, "nesting depth of a request body")
+    max_grammar_bytes: int = _limit_field(
+        64 * 1024, "bytes of a structured-output spec (JSON schema, regex, choices, grammar) or of tools, as JSON"
+    )
     max_queued_seqs: int = _limit_field(256, "sequences (n x prompts) queued or running; past it: 503 + Retry-After")
     stream_stall_timeout_s: float = _limit_field(
         30.0, "seconds a streaming client may read nothing before its request is aborted"
@@ -87,6 +91,10 @@ class ServerLimits:
                 "max_stop_token_ids",
             )
         self._check_prompt(body, max_model_len)
+        for name in (*GRAMMAR_FIELDS, "tools"):  # tools become a grammar too
+            spec = body.get(name)
+            if spec is not None and len(json.dumps(spec)) > self.max_grammar_bytes:
+                raise _limit(name, f"{name} is larger than {self.max_grammar_bytes} bytes", "max_grammar_bytes")
 
     def _check_prompt(self, body: dict[str, Any], max_model_len: int) -> None:
         prompt, messages = body.get("prompt"), body.get("messages")

@@ -39,6 +39,7 @@ from pagedkv.entrypoints.responses import ModelCard, ModelList
 from pagedkv.entrypoints.serving import ServingContext
 from pagedkv.entrypoints.serving_chat import create_chat_completion
 from pagedkv.entrypoints.serving_completions import create_completion
+from pagedkv.entrypoints.tool_calls import template_supports_tools
 
 if TYPE_CHECKING:
     from pagedkv.engine.engine import LLMEngine
@@ -202,7 +203,7 @@ def build_app(
     model_name = served_model_name or Path(str(engine.model_path)).name
     async_engine = AsyncEngine(engine, limits.max_queued_seqs)
     metrics = async_engine.metrics
-    ctx = ServingContext(async_engine, model_name, limits)
+    ctx = ServingContext(async_engine, model_name, limits, template_supports_tools(engine.tokenizer))
     max_model_len = engine.max_model_len
 
     @asynccontextmanager

@@ -1,9 +1,9 @@
 """Request and response bodies of the OpenAI API subset we serve, and OpenAI-style errors.
 
 Requests accept unknown fields (clients such as the ``openai`` package send extras like ``user`` or
-``store``) but reject the ones whose meaning we would silently ignore (``tools``, ``suffix``,
-``response_format``, vLLM's ``guided_*``, ...): a client that asks for a feature must hear that it is
-missing rather than get a plausible wrong answer.
+``store``) but reject the ones whose meaning we would silently ignore (``suffix``, ``logit_bias``,
+the legacy ``functions``, ...): a client that asks for a feature must hear that it is missing rather than get a
+plausible wrong answer. Structured outputs come as ``response_format``, ``structured_outputs`` or ``guided_*``.
 Sampling values are range-checked by ``SamplingParams``, whose messages name the field; pydantic here
 only checks types, so every range rule lives in one place.
 """
@@ -15,10 +15,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pagedkv.sampling import SamplingParams
+from pagedkv.structured import StructuredOutputsParams
 
 UNSUPPORTED_FIELDS = (
-    "tools",
-    "tool_choice",
     "functions",
     "function_call",
     "logit_bias",
@@ -26,11 +25,6 @@ UNSUPPORTED_FIELDS = (
     "best_of",
     "audio",
     "prediction",
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
     "allowed_token_ids",
     "bad_words",
     "logits_processors",
@@ -54,6 +48,9 @@ SAMPLING_FIELDS = (
     "include_stop_str_in_output",
     "prompt_logprobs",
 )
+# The fields that ask for structured outputs: OpenAI's, vLLM's, and vLLM's older guided_* names.
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+GRAMMAR_FIELDS = ("response_format", "structured_outputs", *GUIDED)
 
 
 class APIError(Exception):
@@ -110,14 +107,6 @@ class _SamplingRequest(BaseModel):
     cache_salt: str | None = None
 
     def check_supported(self) -> None:
-        response_format = (self.model_extra or {}).get("response_format")
-        if response_format not in (None, {"type": "text"}):
-            raise APIError(
-                400,
-                "response_format is not supported by this server yet (only {'type': 'text'}): remove it",
-                param="response_format",
-                code="unsupported_parameter",
-            )
         for name in UNSUPPORTED_FIELDS:
             value = (self.model_extra or {}).get(name)
             unset = value is None or value is False or value == [] or value == {}
@@ -130,7 +119,39 @@ class _SamplingRequest(BaseModel):
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The SamplingParams arguments the client set; unset ones keep SamplingParams' defaults."""
-        return {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
+        kwargs = {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
+        structured = self.structured_outputs()
+        if structured is not None:
+            kwargs["structured_outputs"] = structured
+        return kwargs
+
+    def grammar_renames(self) -> dict[str, str]:
+        """The engine reports grammar errors as ``structured_outputs``: name the field this request used."""
+        extra = self.model_extra or {}
+        used = next((name for name in GRAMMAR_FIELDS if extra.get(name) is not None), "structured_outputs")
+        return {"structured_outputs": used}
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        """The grammar asked for by ``response_format`` (OpenAI), ``structured_outputs`` (vLLM) or a
+        ``guided_*`` field (vLLM's older names); at most one of them. A 400 names what is wrong."""
+        extra = self.model_extra or {}
+        given = {name: extra[name] for name in GRAMMAR_FIELDS if extra.get(name) is not None}
+        response_format = given.get("response_format")
+        if response_format == {"type": "text"}:
+            del given["response_format"]
+        if len(given) > 1:
+            raise APIError(400, f"ask for one structured output, got {', '.join(given)}", param=next(iter(given)))
+        if not given:
+            return None
+        name, value = next(iter(given.items()))
+        try:
+            if name == "response_format":
+                return _response_format(value)
+            if name in GUIDED:
+                return StructuredOutputsParams.from_dict({GUIDED[name]: value}, name)
+            return StructuredOutputsParams.from_dict(value, name)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=name) from exc
 
     @property
     def include_usage(self) -> bool:
@@ -183,8 +204,9 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
 
-    def as_template_dict(self, index: int) -> dict[str, str]:
-        """Flatten text content parts; the chat template only knows plain strings."""
+    def as_template_dict(self, index: int) -> dict[str, Any]:
+        """Flatten text content parts (the chat template only knows plain strings); an assistant's
+        ``tool_calls`` and a tool result's ``tool_call_id`` ride along (see ``tool_calls.prompt_messages``)."""
         if self.content is None or isinstance(self.content, str):
             text = self.content or ""
         else:
@@ -198,7 +220,12 @@ class ChatMessage(BaseModel):
                     )
                 parts.append(part["text"])
             text = "".join(parts)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        extra = self.model_extra or {}
+        for name in ("tool_calls", "tool_call_id"):
+            if extra.get(name) is not None:
+                message[name] = extra[name]
+        return message
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -207,8 +234,13 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Checked by tool_calls.plan_tools, which names the field at fault.
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, tool_grammar: StructuredOutputsParams | None = None) -> SamplingParams:
+        """``tool_grammar``: the answer format that tool calling asks for (no other grammar may be given)."""
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -224,7 +256,25 @@ class ChatCompletionRequest(_SamplingRequest):
                 param=renames.get("max_tokens", "max_tokens"),
             )
         extra = {"max_tokens": max_tokens, "logprobs": logprobs}
+        if tool_grammar is not None:
+            if self.structured_outputs() is not None:
+                raise APIError(400, "tools and a structured output cannot be combined: drop one", param="tools")
+            extra["structured_outputs"] = tool_grammar
         return sampling_params(self.sampling_kwargs() | extra, renames)
+
+
+def _response_format(value: Any) -> StructuredOutputsParams:
+    """OpenAI's ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"schema": ...}}``."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ValueError("response_format.json_schema.schema must be a JSON schema object")
+        return StructuredOutputsParams(json=schema)
+    raise ValueError("response_format.type must be 'text', 'json_object' or 'json_schema'")
 
 
 def _is_int(value: Any) -> bool:

@@ -5,7 +5,7 @@ clients parse these with typed models."""
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_serializer
 
@@ -76,9 +76,25 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] = Field(default_factory=list)
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallResponse(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(ToolCallResponse):
+    index: int  # the call's place in the message's tool_calls
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallResponse] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -102,11 +118,14 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer
-    def _only_set(self) -> dict[str, str]:
+    def _only_set(self) -> dict[str, Any]:
         """A delta carries only what changed, as OpenAI's do: no ``"role": null`` on every chunk."""
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        calls = None if self.tool_calls is None else [c.model_dump() for c in self.tool_calls]
+        fields = (("role", self.role), ("content", self.content), ("tool_calls", calls))
+        return {k: v for k, v in fields if v is not None}
 
 
 class ChatChunkChoice(BaseModel):

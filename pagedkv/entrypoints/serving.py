@@ -42,12 +42,14 @@ DONE = "data: [DONE]\n\n"
 
 
 class ServingContext:
-    """The engine, the name clients must use for it and the server's limits; shared by both endpoints."""
+    """The engine, the name clients must use for it, the server's limits and the model's tool format;
+    shared by both endpoints."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, limits: ServerLimits) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, limits: ServerLimits, native_tools: bool) -> None:
         self.engine = engine
         self.model_name = model_name
         self.limits = limits
+        self.native_tools = native_tools  # the chat template renders tools (see tool_calls)
         self._token_texts: list[str] = []
 
     def check_model(self, model: str | None) -> None:
@@ -67,8 +69,11 @@ class ServingContext:
         cache_salt: str | None,
         prompt_param: str,
         stream: bool,
+        renames: dict[str, str] | None = None,
     ) -> RequestStream:
-        """Tokenize and queue the prompts; map engine refusals to OpenAI errors (400 / 500 / 503)."""
+        """Tokenize and queue the prompts; map engine refusals to OpenAI errors (400 / 500 / 503).
+
+        ``renames``: the request's own names of engine parameters (a grammar asked for as response_format)."""
         wants_texts = params.logprobs is not None or params.prompt_logprobs is not None
         if wants_texts and not self._token_texts:
             self._token_texts = await self.engine.tokenizer.token_texts()
@@ -76,7 +81,7 @@ class ServingContext:
         try:
             return await self.engine.add(request_id, prompts, params, cache_salt, stream)
         except ValueError as exc:
-            raise value_error(exc, prompt_param=prompt_param) from exc
+            raise value_error(exc, renames, prompt_param=prompt_param) from exc
         except EngineOverloaded as exc:
             raise APIError(503, str(exc), type="server_overloaded", code="server_overloaded", retry_after=1) from exc
         except (EngineStopped, RequestFailed) as exc:

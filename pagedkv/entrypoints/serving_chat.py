@@ -4,6 +4,9 @@ Streaming follows the OpenAI shape: a first chunk per choice carrying ``role``, 
 a chunk with the finish_reason, then (with ``stream_options.include_usage``) a usage chunk with no choices.
 vLLM's ``prompt_logprobs`` extra field scores the rendered prompt: a top-level field of the response, or of
 the first chunk that has them.
+
+With tools (see ``tool_calls``), an answer is a call or a reply only once it is whole, so a streamed answer
+comes in one delta when it finishes: its ``content``, or its ``tool_calls`` with ``finish_reason: "tool_calls"``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ from pagedkv.entrypoints.responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     ChatDelta,
+    DeltaToolCall,
+    FunctionCall,
     PromptLogprobs,
+    ToolCallResponse,
 )
 from pagedkv.entrypoints.serving import (
     EventStreamResponse,
@@ -35,36 +41,63 @@ from pagedkv.entrypoints.serving import (
     fresh_samples,
     usage,
 )
+from pagedkv.entrypoints.tool_calls import ToolPlan, plan_tools, prompt_messages
 
 
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, request: Request) -> Response:
     ctx.check_model(body.model)
     body.check_supported()
-    params = body.to_sampling_params()
-    messages = [m.as_template_dict(i) for i, m in enumerate(body.messages)]
-    prompt = [EnginePrompt(messages=messages)]
-    stream = await ctx.start("chatcmpl", prompt, params, body.cache_salt, prompt_param="messages", stream=body.stream)
+    tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, ctx.native_tools)
+    tool_grammar = tools.structured_outputs() if tools is not None else None
+    params = body.to_sampling_params(tool_grammar)
+    messages = prompt_messages([m.as_template_dict(i) for i, m in enumerate(body.messages)], tools, ctx.native_tools)
+    prompt = [EnginePrompt(messages=messages, tools=tools.template_tools() if tools is not None else None)]
+    renames = {"structured_outputs": "tools"} if tool_grammar is not None else body.grammar_renames()
+    stream = await ctx.start("chatcmpl", prompt, params, body.cache_salt, "messages", body.stream, renames)
     if body.stream:
-        events = _stream_events(ctx, stream, body, params.n)
+        events = _stream_events(ctx, stream, body, params.n, tools)
         return EventStreamResponse(stream, events, ctx.limits.stream_stall_timeout_s)
     (output,) = await collect(stream, request)
+    choices = []
+    for sample in output.outputs:
+        content, calls, finish_reason = _answer(tools, sample.text, sample.finish_reason)
+        choices.append(
+            ChatChoice(
+                index=sample.index,
+                message=AssistantMessage(content=content, tool_calls=calls or None),
+                logprobs=chat_logprobs(ctx, sample, delta=False),
+                finish_reason=finish_reason,
+                stop_reason=sample.stop_reason,
+            )
+        )
     response = ChatCompletionResponse(
         id=stream.request_id,
         model=ctx.model_name,
-        choices=[
-            ChatChoice(
-                index=sample.index,
-                message=AssistantMessage(content=sample.text),
-                logprobs=chat_logprobs(ctx, sample, delta=False),
-                finish_reason=sample.finish_reason,
-                stop_reason=sample.stop_reason,
-            )
-            for sample in output.outputs
-        ],
+        choices=choices,
         usage=usage(stream),
         prompt_logprobs=_prompt_scores(ctx, body, output),
     )
     return Response(response.model_dump_json(), media_type="application/json")
+
+
+def _answer(
+    tools: ToolPlan | None, text: str, finish_reason: str | None
+) -> tuple[str | None, list[ToolCallResponse], str | None]:
+    """(content, tool calls, finish_reason) of a finished answer: with tools, the calls parsed out of it."""
+    if tools is None:
+        return text, [], finish_reason
+    content, calls = tools.parse(text)
+    responses = [ToolCallResponse(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
+    return content, responses, "tool_calls" if calls and finish_reason == "stop" else finish_reason
+
+
+def _whole_answer_delta(tools: ToolPlan, text: str, finish_reason: str | None) -> tuple[ChatDelta, str | None]:
+    """A streamed answer with tools: empty until it finishes, then its content or calls in one delta."""
+    if finish_reason is None:
+        return ChatDelta(), None
+    content, calls, finish_reason = _answer(tools, text, finish_reason)
+    deltas = [DeltaToolCall(index=i, **c.model_dump()) for i, c in enumerate(calls)]
+    return ChatDelta(content=content, tool_calls=deltas or None), finish_reason
 
 
 def _prompt_scores(ctx: ServingContext, body: ChatCompletionRequest, output: RequestOutput) -> PromptLogprobs | None:
@@ -74,7 +107,7 @@ def _prompt_scores(ctx: ServingContext, body: ChatCompletionRequest, output: Req
 
 
 async def _stream_events(
-    ctx: ServingContext, stream: RequestStream, body: ChatCompletionRequest, n: int
+    ctx: ServingContext, stream: RequestStream, body: ChatCompletionRequest, n: int, tools: ToolPlan | None
 ) -> AsyncIterator[ChatCompletionChunk]:
     created = int(time.time())
 
@@ -85,17 +118,25 @@ async def _stream_events(
 
     yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")) for i in range(n)])
     reported: set[tuple[int, int]] = set()
+    answers = [""] * n  # with tools: each sample's text so far, parsed when it finishes
     scores_sent = False
     async for index, output in stream:
-        choices = [
-            ChatChunkChoice(
-                index=sample.index,
-                delta=ChatDelta(content=sample.delta_text) if sample.delta_text else ChatDelta(),
-                logprobs=chat_logprobs(ctx, sample, delta=True),
-                finish_reason=sample.finish_reason,
+        choices = []
+        for sample in fresh_samples(index, output, reported):
+            delta, finish_reason = ChatDelta(content=sample.delta_text or None), sample.finish_reason
+            if tools is not None:
+                answers[sample.index] += sample.delta_text
+                if finish_reason is None and not body.logprobs:
+                    continue  # nothing to say until the answer is whole
+                delta, finish_reason = _whole_answer_delta(tools, answers[sample.index], finish_reason)
+            choices.append(
+                ChatChunkChoice(
+                    index=sample.index,
+                    delta=delta,
+                    logprobs=chat_logprobs(ctx, sample, delta=True),
+                    finish_reason=finish_reason,
+                )
             )
-            for sample in fresh_samples(index, output, reported)
-        ]
         scores = None if scores_sent else _prompt_scores(ctx, body, output)
         scores_sent |= scores is not None
         if choices or scores:

@@ -46,7 +46,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     body.check_supported()
     params = body.to_sampling_params()
     prompts = completion_prompts(body.prompt)
-    stream = await ctx.start("cmpl", prompts, params, body.cache_salt, prompt_param="prompt", stream=body.stream)
+    stream = await ctx.start("cmpl", prompts, params, body.cache_salt, "prompt", body.stream, body.grammar_renames())
     if body.stream:
         events = _stream_events(ctx, stream, body, params.n)
         return EventStreamResponse(stream, events, ctx.limits.stream_stall_timeout_s)
