@@ -32,6 +32,9 @@ CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped
 # Bounds on compiling and on each step's mask, so a pathological grammar fails its request with a 400 (at
 # compile time) or an error (later), instead of stalling the engine: llguidance's own defaults, made explicit.
 LIMITS = {"max_grammar_size": 500_000, "initial_lexer_fuel": 1_000_000, "step_lexer_fuel": 200_000}
+# JSON may be pretty-printed, but a run of whitespace is bounded: small models can otherwise fall into writing
+# newlines forever, and every such answer would end at max_tokens as invalid JSON.
+JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{1,32}"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +69,7 @@ class StructuredOutputsParams:
         """The grammar in llguidance's format; InvalidParameter if it cannot be written down at all."""
         kind = self.kind
         if kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if kind == "json":
             schema = self.json
             if isinstance(schema, str):
@@ -75,7 +78,7 @@ class StructuredOutputsParams:
                 except ValueError as exc:
                     raise InvalidParameter("structured_outputs", f"structured_outputs.json is not JSON: {exc}") from exc
             try:
-                return llguidance.LLMatcher.grammar_from_json_schema(schema)
+                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
             except (TypeError, ValueError) as exc:
                 message = f"structured_outputs.json is not a valid JSON schema: {exc}"
                 raise InvalidParameter("structured_outputs", message) from exc
@@ -102,6 +105,12 @@ class StructuredOutputsParams:
             return cls(**value)
         except InvalidParameter as exc:
             raise InvalidParameter(param, str(exc)) from exc
+
+
+def lark_json(schema: dict) -> str:
+    """A JSON schema to embed in a Lark grammar (``rule: %json {...}``), with the same options as ``json``."""
+    options = JSON_OPTIONS | schema.get("x-guidance", {})
+    return json.dumps(schema | {"x-guidance": options})
 
 
 class GrammarCompiler:

@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.structured import StructuredOutputsParams
 
 pytestmark = pytest.mark.slow
 
@@ -141,3 +142,13 @@ def test_compiled_grammars_are_cached_by_content(llm):
     cached = len(llm.engine.grammars._cache)
     second = llm.engine.grammars.matcher(spec)
     assert len(llm.engine.grammars._cache) == cached and first is not second  # one template, fresh copies
+
+
+def test_json_may_be_pretty_printed_but_whitespace_runs_are_bounded(llm):
+    def accepts(text: str) -> bool:
+        matcher = llm.engine.grammars.matcher(StructuredOutputsParams(json_object=True))
+        ids = llm.engine.encode(text)
+        return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+    assert accepts('{"a": [1, 2]}') and accepts('{\n    "a": [\n        1\n    ]\n}')
+    assert not accepts("{" + "\n" * 40 + '"a": 1}')  # a model stuck on newlines is stopped

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.entrypoints.protocol import APIError
-from pagedkv.structured import StructuredOutputsParams
+from pagedkv.structured import StructuredOutputsParams, lark_json
 
 MAX_TOOLS = 128
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -82,7 +82,7 @@ class ToolPlan:
         if self.native:
             if not self.forced:
                 return None
-            block = f'"<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {json.dumps(call)}'
+            block = f'"<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {lark_json(call)}'
             return StructuredOutputsParams(grammar=f"start: block{'+' if self.parallel else ''}\nblock: {block}")
         calls = {"type": "array", "items": call, "minItems": 1}
         if not self.parallel:
