@@ -69,6 +69,14 @@ def test_throughput_quick_json(tmp_path):
     assert (tmp_path / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_structured_quick_json():
+    summary = run_quick_json("structured.py")
+    assert set(summary["tokens_per_s"]) == {"unconstrained", "json_schema"}
+    assert all(rate > 0 for rate in summary["tokens_per_s"].values())
+    grammar = summary["grammar_ms_per_step"]
+    assert grammar["steps"] > 0 and grammar["compute"] > 0 and grammar["apply"] > 0  # the masks were used
+
+
 def test_panel_linear_quick_runs():
     """The linear-layer benchmark checks every candidate against MKL before timing it; it must get that far."""
     result = subprocess.run(
