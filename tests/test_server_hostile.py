@@ -87,7 +87,12 @@ HOSTILE = [  # (path, body, expected status, expected param)
     (COMPLETIONS, {"prompt": "hi", "guided_regex": "("}, 400, "guided_regex"),
     (COMPLETIONS, {"prompt": "hi", "structured_outputs": {"grammar": "start: (("}}, 400, "structured_outputs"),
     (COMPLETIONS, {"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400, "structured_outputs"),
-    (COMPLETIONS, {"prompt": "hi", "structured_outputs": {"json": {"type": "object"}}, "guided_regex": "a"}, 400, "structured_outputs"),
+    (
+        COMPLETIONS,
+        {"prompt": "hi", "structured_outputs": {"json": {"type": "object"}}, "guided_regex": "a"},
+        400,
+        "structured_outputs",
+    ),
     (COMPLETIONS, {"prompt": "hi", "guided_choice": ["x" * 100] * 1000}, 400, "guided_choice"),
     (COMPLETIONS, {"prompt": "hi", "structured_outputs": {"regex": "(a|b)*" * 30_000}}, 400, "structured_outputs"),
     (COMPLETIONS, {"prompt": "hi", "user": {"deep": nested(40)}}, 400, "user"),
