@@ -58,7 +58,12 @@ class EngineConfig:
     num_speculative_tokens: int = _option(
         0, "tokens a greedy request may guess per step from its own history (prompt lookup; 0 = off)"
     )
-    num_threads: int | None = _option(None, "torch threads (default: all cores)")
+    num_threads: int | None = _option(None, "torch threads (default: all cores; per rank with tensor parallelism)")
+    tensor_parallel_size: int = _option(
+        1,
+        "processes the model is split across (Megatron-style tensor parallelism on torch.distributed, gloo; "
+        "started on this machine, or by torchrun across machines); 1 = off",
+    )
     dtype: str | None = _option(None, "deprecated: use weight_format ('q4' is now 'gguf')", deprecated=True)
     linear_backend: str | None = _option(None, "deprecated: use kernels (panel: True, torch: False)", deprecated=True)
 
@@ -86,6 +91,8 @@ class EngineConfig:
             raise ValueError(
                 f"num_speculative_tokens must be an int >= 0 (0 = off), got {self.num_speculative_tokens!r}"
             )
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1 (1 = off), got {self.tensor_parallel_size!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 

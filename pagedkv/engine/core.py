@@ -22,6 +22,7 @@ from pagedkv import structured
 from pagedkv.engine.request import CoreOutput, Request
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from pagedkv.parallel.workers import TensorParallelFailure
 from pagedkv.sampler import Sampler, SamplerOutput
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ class EngineCore:
             masking = self._mask_thread.submit(self._grammar_masks, step)
         try:
             result = self.runner.execute(step)
+        except TensorParallelFailure:
+            raise  # no step can run any more: stop the engine with the error
         except Exception:
             logger.exception("the model step failed; stopping the %d requests scheduled in it", len(step.scheduled))
             if masking is not None:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import itertools
 import logging
 import operator
-import os
+import weakref
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -30,7 +31,9 @@ from pagedkv.engine.runner import ModelRunner, kv_block_bytes
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.errors import InvalidParameter
 from pagedkv.kv.manager import KVCacheManager
-from pagedkv.model.loader import load_model
+from pagedkv.model.loader import default_model_path, load_model, model_directory
+from pagedkv.parallel import workers
+from pagedkv.parallel.group import SINGLE
 from pagedkv.sampler import Sampler, make_generator
 from pagedkv.sampling import SamplingParams
 from pagedkv.structured import GrammarCompiler
@@ -41,10 +44,17 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        torch.set_num_threads(workers.rank_threads(config))
         self.attention = select_backend(config.attention_backend)
         self.kernels = kernels.use_kernels(config.kernels)
-        loaded = load_model(config.model, config.weight_format, self.attention, self.kernels)
+        self.workers: workers.Workers | None = None  # the other tensor-parallel ranks
+        tp = SINGLE
+        if config.tensor_parallel_size > 1:
+            directory = model_directory(Path(config.model or default_model_path()).expanduser())
+            self.workers = workers.start(config, str(directory))
+            weakref.finalize(self, self.workers.close)
+            tp = self.workers.tp
+        loaded = load_model(config.model, config.weight_format, self.attention, self.kernels, tp)
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config
         self.model_path = loaded.path
@@ -62,7 +72,9 @@ class LLMEngine:
             self.max_model_len,
             self.eos_token_ids,
         )
-        self.runner = ModelRunner(model, self.kv)
+        if self.workers is not None:
+            tp.broadcast(torch.tensor([num_blocks]), idle=True)  # each worker's pool: its KV heads, every block
+        self.runner = ModelRunner(model, self.kv, tp, self.workers)
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
         self.core = EngineCore(self.scheduler, self.runner, self.sampler)
         self.processor = OutputProcessor(self.tokenizer)
@@ -207,6 +219,11 @@ class LLMEngine:
 
     def stats(self) -> dict[str, float]:
         return self.core.stats()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done when the engine is garbage-collected)."""
+        if self.workers is not None:
+            self.workers.close()
 
 
 def _as_token_ids(values: Sequence[int]) -> list[int]:

@@ -14,9 +14,13 @@ from torch import Tensor
 
 from pagedkv.engine.request import PromptLogprob
 from pagedkv.engine.scheduler import SchedulerOutput
-from pagedkv.engine.scoring import score_rows
+from pagedkv.engine.scoring import ROWS_PER_SLICE, score_rows
+from pagedkv.engine.step_inputs import ScoredRange, StepInputs
 from pagedkv.kv import ops
 from pagedkv.kv.manager import KVCacheManager
+from pagedkv.parallel import wire
+from pagedkv.parallel.group import SINGLE, TensorParallel
+from pagedkv.parallel.workers import Workers
 
 KV_DTYPE = torch.float32  # attention and the pool stay fp32: bf16 SDPA measured 6-10x slower on this CPU
 
@@ -36,15 +40,24 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv: KVCacheManager) -> None:
+    """Turns a scheduled step into :class:`StepInputs` (``prepare``) and runs them (``run``).
+
+    With tensor parallelism (``tp``), rank 0 broadcasts each step's inputs before running them, and every
+    worker runs the same inputs on its own shard of the model and of the KV pool.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, kv: KVCacheManager, tp: TensorParallel = SINGLE, workers: Workers | None = None
+    ) -> None:
         self.model = model
         self.kv = kv
+        self.tp = tp
+        self.workers = workers  # rank 0's handle on the other ranks (None: one process, or a worker itself)
         shape = (kv.num_total_blocks, kv.block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches: list[tuple[Tensor, Tensor]] = [
             (torch.zeros(shape, dtype=KV_DTYPE), torch.zeros(shape, dtype=KV_DTYPE)) for _ in range(model.num_layers)
         ]
 
-    @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> StepResult:
         """Run the model on one step, the scheduled requests in any order.
 
@@ -59,51 +72,82 @@ class ModelRunner:
         for attention, a request of ``1 + k`` new tokens like a prefill chunk: each row sees the drafts
         before it, and computes the same bits as a plain decode at its position would.
         """
-        input_ids: list[int] = []
-        positions: list[int] = []
-        block_tables: list[list[int]] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        logits_rows: list[int] = []
+        inputs, sampled = self.prepare(step)
+        if self.workers is not None:
+            self.workers.check()
+        try:
+            if self.workers is not None:
+                wire.send_step(self.tp, inputs)
+            logits, prompt_logprobs = self.run(inputs)
+        except RuntimeError as exc:
+            if self.workers is None:
+                raise
+            raise self.workers.failure(exc) from exc  # a rank died, or hangs past the step timeout
+        return StepResult(logits, sampled, prompt_logprobs)
+        self.workers.check()
+        try:
+            wire.send_step(self.tp, inputs)
+            logits, prompt_logprobs = self.run(inputs)
+        except RuntimeError as exc:  # a collective failed: a rank died, or hangs past the step timeout
+            raise self.workers.failure(exc) from exc
+        return StepResult(logits, sampled, prompt_logprobs)
+
+    def prepare(self, step: SchedulerOutput) -> tuple[StepInputs, list[tuple[int, int]]]:
+        """The step's flat inputs, and ``(index in step.scheduled, rows)`` of each request sampled."""
+        inputs = StepInputs([], [], [], [], [], [], [], [])
         sampled: list[tuple[int, int]] = []
-        scored: list[tuple[int, int, int, int]] = []  # (index in step.scheduled, first row, positions [a, b))
-        shared_rows: list[int] = []  # rows whose K/V is already in a shared cached block
         for i, s in enumerate(step.scheduled):
             request = s.request
             start = request.num_computed_tokens
             end = start + s.num_scheduled_tokens
-            first_row = len(input_ids)
-            input_ids.extend(request.token_ids[start : start + s.num_new_tokens] + s.draft_token_ids)
+            first_row = len(inputs.input_ids)
+            inputs.input_ids.extend(request.token_ids[start : start + s.num_new_tokens] + s.draft_token_ids)
             if request.scores_prompt and start < request.num_prompt_tokens - 1:
                 # position p's logits score token p + 1: the prompt's last position scores nothing
-                scored.append((i, first_row, start, min(start + s.num_new_tokens, request.num_prompt_tokens - 1)))
-                shared_rows.extend(range(first_row, first_row + max(0, request.num_hit_tokens - start)))
-            positions.extend(range(start, end))
-            block_tables.append(self.kv.block_table(request.request_id))
-            query_lens.append(s.num_scheduled_tokens)
-            seq_lens.append(end)
+                last = min(start + s.num_new_tokens, request.num_prompt_tokens - 1)
+                targets = request.token_ids[start + 1 : last + 1]
+                inputs.scored.append(ScoredRange(i, first_row, start + 1, request.params.prompt_logprobs, targets))
+                inputs.shared_rows.extend(range(first_row, first_row + max(0, request.num_hit_tokens - start)))
+            inputs.positions.extend(range(start, end))
+            inputs.block_tables.append(self.kv.block_table(request.request_id))
+            inputs.query_lens.append(s.num_scheduled_tokens)
+            inputs.seq_lens.append(end)
             rows = 1 + len(s.draft_token_ids)
             if s.is_sampled:
-                logits_rows.extend(range(len(input_ids) - rows, len(input_ids)))
+                inputs.sampled_rows.extend(range(len(inputs.input_ids) - rows, len(inputs.input_ids)))
                 sampled.append((i, rows))
-        meta = self.model.attention.build_metadata(block_tables, query_lens, seq_lens, self.kv.block_size)
-        if shared_rows:
-            meta.slot_mapping[shared_rows] = ops.PAD_SLOT
-        scoring_rows = [row for _, first_row, a, b in scored for row in range(first_row, first_row + b - a)]
+        return inputs, sampled
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> tuple[Tensor, dict[int, tuple[int, list[PromptLogprob]]]]:
+        """The logits of the sampled rows, and the prompt logprobs of each scored range by request index.
+
+        On a tensor-parallel worker the logits are its vocabulary slice and nothing is scored: it only takes
+        part in the same collectives, in the same order, as rank 0.
+        """
+        meta = self.model.attention.build_metadata(
+            inputs.block_tables, inputs.query_lens, inputs.seq_lens, self.kv.block_size
+        )
+        if inputs.shared_rows:
+            meta.slot_mapping[inputs.shared_rows] = ops.PAD_SLOT
+        scoring_rows = [r.first_row + i for r in inputs.scored for i in range(len(r.targets))]
         hidden = self.model.hidden_states(
-            torch.tensor(input_ids, dtype=torch.int64),
-            torch.tensor(positions, dtype=torch.int64),
+            torch.tensor(inputs.input_ids, dtype=torch.int64),
+            torch.tensor(inputs.positions, dtype=torch.int64),
             meta,
             self.kv_caches,
-            torch.tensor(logits_rows + scoring_rows, dtype=torch.int64),
+            torch.tensor(inputs.sampled_rows + scoring_rows, dtype=torch.int64),
         )
-        logits = self.model.compute_logits(hidden[: len(logits_rows)])
+        logits = self.model.compute_logits(hidden[: len(inputs.sampled_rows)])
         prompt_logprobs: dict[int, tuple[int, list[PromptLogprob]]] = {}
-        row = len(logits_rows)
-        for i, _, a, b in scored:
-            request = step.scheduled[i].request
-            top = request.params.prompt_logprobs
-            targets = request.token_ids[a + 1 : b + 1]
-            prompt_logprobs[i] = (a + 1, score_rows(self.model.compute_logits, hidden[row : row + b - a], targets, top))
-            row += b - a
-        return StepResult(logits, sampled, prompt_logprobs)
+        row = len(inputs.sampled_rows)
+        for scored in inputs.scored:
+            rows = hidden[row : row + len(scored.targets)]
+            row += len(scored.targets)
+            if self.tp.is_driver:
+                entries = score_rows(self.model.compute_logits, rows, scored.targets, scored.top)
+                prompt_logprobs[scored.index] = (scored.first_position, entries)
+            else:  # the same LM-head gathers as rank 0's score_rows, a slice at a time
+                for first in range(0, len(rows), ROWS_PER_SLICE):
+                    self.model.compute_logits(rows[first : first + ROWS_PER_SLICE])
+        return logits, prompt_logprobs

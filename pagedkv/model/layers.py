@@ -8,6 +8,8 @@ rounding and bf16 GEMM outputs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -134,9 +136,17 @@ class RMSNorm(nn.Module):
 class SwiGLU(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one GEMM."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        bias: bool,
+        dtype: torch.dtype,
+        reduce: Callable[[Tensor], Tensor] | None = None,
+    ) -> None:
         super().__init__()
         self.intermediate = intermediate
+        self.reduce = reduce  # the all-reduce of a tensor-parallel shard's partial sums (None: whole model)
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias, dtype)
         self.down_proj = Linear(intermediate, hidden, bias, dtype)
         self.compiled = False  # one C++ pass for silu(gate) * up (set by the model with its compiled kernels)
@@ -144,6 +154,8 @@ class SwiGLU(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)
         if self.compiled and gate_up.dim() == 2 and gate_up.is_contiguous():
-            return self.down_proj(kernels.silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            out = self.down_proj(kernels.silu_mul(gate_up))
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            out = self.down_proj(F.silu(gate) * up)
+        return out if self.reduce is None else self.reduce(out)

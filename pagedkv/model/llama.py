@@ -5,6 +5,12 @@ mixed -- plus its :class:`AttentionMetadata` (built by the model's attention bac
 layer attends through) and the per-layer pools. q/k/v and gate/up are fused into one GEMM each (fewer,
 larger GEMMs are what a CPU runs fast), RoPE rotates q and k together, and logits are computed only for
 the rows the caller samples from.
+
+With tensor parallelism (``tp``, see ``pagedkv.parallel``) each rank holds a Megatron-style shard: its
+query and KV heads' columns of q/k/v and its rows of gate/up (column-parallel), the matching columns of
+o_proj and down_proj (row-parallel: partial sums, one all-reduce each), and a slice of the vocabulary for
+the embedding (all-reduced) and the LM head (logits gathered to rank 0). Norms are replicated. The weights
+are sharded as they are loaded, so the panel GEMM packs only this rank's part.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pagedkv.attention.paged import TorchAttention
 from pagedkv.model.layers import WEIGHT_FORMATS, Linear, LMHead, RMSNorm, SwiGLU, empty_parameter
 from pagedkv.model.rope import RotaryEmbedding, apply_rope
 from pagedkv.model.spec import ModelSpec
+from pagedkv.parallel.group import SINGLE, TensorParallel
 
 WeightLoader = Callable[[Tensor], None]
 _CODES = ("q4", "q8")  # exact checkpoint codes a panel can hold, fewest bytes first
@@ -30,16 +37,20 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, attention: AttentionBackend) -> None:
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, attention: AttentionBackend, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.num_heads = tp.split(spec.num_heads, "query heads")
+        self.num_kv_heads = tp.split(spec.num_kv_heads, "KV heads")
+        self.head_dim = spec.head_dim
         self.scale = spec.head_dim**-0.5
         self.attention = attention
         self.eps = spec.rms_norm_eps
-        self.qkv_proj = Linear(spec.hidden_size, spec.qkv_size, spec.qkv_bias, dtype)
-        self.o_proj = Linear(spec.num_heads * spec.head_dim, spec.hidden_size, spec.o_bias, dtype)
+        self.tp = tp
+        qkv_size = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv_proj = Linear(spec.hidden_size, qkv_size, spec.qkv_bias, dtype)
+        self.o_proj = Linear(self.num_heads * spec.head_dim, spec.hidden_size, spec.o_bias, dtype)
         # Qwen3's q_norm and k_norm, one row per head ([Hq + Hkv, D]) so both run as one normalisation.
-        rows = spec.num_heads + spec.num_kv_heads
+        rows = self.num_heads + self.num_kv_heads
         self.qk_norm_weight = empty_parameter(rows, spec.head_dim, dtype=torch.float32) if spec.qk_norm else None
         self.compiled = False  # RoPE in place, in C++ (set by the model with its compiled kernels)
 
@@ -56,16 +67,17 @@ class LlamaAttention(nn.Module):
         out = self.attention.forward(
             qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, split:], *kv_cache, meta, self.scale
         )
-        return self.o_proj(out.view(tokens, -1))
+        return self.tp.all_reduce(self.o_proj(out.view(tokens, -1)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, attention: AttentionBackend) -> None:
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, attention: AttentionBackend, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = LlamaAttention(spec, dtype, attention)
+        self.self_attn = LlamaAttention(spec, dtype, attention, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = SwiGLU(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, dtype)
+        intermediate = tp.split(spec.intermediate_size, "MLP width")
+        self.mlp = SwiGLU(spec.hidden_size, intermediate, spec.mlp_bias, dtype, reduce=tp.all_reduce)
 
     def forward(
         self, h: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, kv_cache: tuple[Tensor, Tensor]
@@ -77,21 +89,28 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Decoder + LM head. ``weight_format`` (one of ``WEIGHT_FORMATS``) sets the linear layers' (and the
-    embedding's) weight dtype; all else is fp32. ``attention`` serves every layer (default: torch's)."""
+    embedding's) weight dtype; all else is fp32. ``attention`` serves every layer (default: torch's);
+    ``tp``: this process's tensor-parallel shard (default: the whole model)."""
 
     def __init__(
-        self, hf_config: Any, weight_format: str = "float32", attention: AttentionBackend | None = None
+        self,
+        hf_config: Any,
+        weight_format: str = "float32",
+        attention: AttentionBackend | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.spec = spec = ModelSpec.from_hf_config(hf_config)
+        self.tp = tp
         self.dtype = weight_dtype = WEIGHT_FORMATS[weight_format]
         self.attention = attention or TorchAttention()
-        self.embed_tokens = empty_parameter(spec.vocab_size, spec.hidden_size, dtype=weight_dtype)
+        self.vocab_rows = tp.vocab_rows(spec.vocab_size)  # this rank's slice of the vocabulary
+        self.embed_tokens = empty_parameter(self.vocab_rows, spec.hidden_size, dtype=weight_dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(spec, weight_dtype, self.attention) for _ in range(spec.num_layers)
+            LlamaDecoderLayer(spec, weight_dtype, self.attention, tp) for _ in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = LMHead(spec.hidden_size, spec.vocab_size, False, weight_dtype)
+        self.lm_head = LMHead(spec.hidden_size, self.vocab_rows, False, weight_dtype)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_positions, spec.rope)
@@ -122,7 +141,8 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def num_kv_heads(self) -> int:
-        return self.spec.num_kv_heads
+        """KV heads held by this process (its shard's, with tensor parallelism): the KV pool's width."""
+        return self.layers[0].self_attn.num_kv_heads
 
     @property
     def head_dim(self) -> int:
@@ -159,14 +179,24 @@ class LlamaForCausalLM(nn.Module):
         """
         if len(kv_caches) != self.spec.num_layers:
             raise ValueError(f"need one (k_pool, v_pool) per layer: {self.spec.num_layers}, got {len(kv_caches)}")
-        h = nn.functional.embedding(input_ids, self.embed_tokens).float()
+        h = self._embed(input_ids)
         cos, sin = self.rotary.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h = layer(h, cos, sin, meta, kv_cache)
         return self.norm(h[rows])
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(hidden).float()
+        """Logits ``[rows, vocab]`` (on a tensor-parallel worker: its vocabulary slice, also sent to rank 0)."""
+        return self.tp.gather_logits(self.lm_head(hidden).float(), self.spec.vocab_size)
+
+    def _embed(self, input_ids: Tensor) -> Tensor:
+        if self.tp.world_size == 1:
+            return nn.functional.embedding(input_ids, self.embed_tokens).float()
+        # each rank looks up the ids in its slice and zeros the others; the sum has every row exactly once
+        local = input_ids - self.tp.rank * self.vocab_rows
+        outside = (local < 0) | (local >= self.vocab_rows)
+        h = nn.functional.embedding(local.masked_fill(outside, 0), self.embed_tokens).float()
+        return self.tp.all_reduce(h.masked_fill_(outside.unsqueeze(1), 0.0))
 
     def load_weights(self, tensors: dict[str, Tensor]) -> None:
         """Copy a checkpoint given by HF parameter names; raises on missing or unexpected weights."""
@@ -186,33 +216,38 @@ class LlamaForCausalLM(nn.Module):
 
     def _weight_targets(self) -> dict[str, WeightLoader]:
         """HF parameter name -> function that copies that tensor into its (possibly fused) place."""
-        spec = self.spec
+        spec, tp = self.spec, self.tp
+        vocab = _sharded(lambda t: tp.shard_vocab(t, spec.vocab_size))
         targets: dict[str, WeightLoader] = {
-            "model.embed_tokens.weight": _copier(self.embed_tokens),
+            "model.embed_tokens.weight": vocab(_copier(self.embed_tokens)),
             "model.norm.weight": _copier(self.norm.weight),
         }
         if not spec.tie_word_embeddings:
-            targets["lm_head.weight"] = _copier(self.lm_head.weight)
-        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+            targets["lm_head.weight"] = vocab(_copier(self.lm_head.weight))
+        columns, rows = _sharded(lambda t: tp.shard(t, 0)), _sharded(lambda t: tp.shard(t, 1))
+        once = _sharded(lambda t: t if tp.is_driver else torch.zeros_like(t))  # a row-parallel bias: added once
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
+            q_size, kv_size = attn.num_heads * spec.head_dim, attn.num_kv_heads * spec.head_dim
+            # (name, layer, first row in the fused local weight, how weight and bias are sharded)
             fused = [
-                ("self_attn.q_proj", attn.qkv_proj, 0, spec.qkv_bias),
-                ("self_attn.k_proj", attn.qkv_proj, q_size, spec.qkv_bias),
-                ("self_attn.v_proj", attn.qkv_proj, q_size + kv_size, spec.qkv_bias),
-                ("self_attn.o_proj", attn.o_proj, 0, spec.o_bias),
-                ("mlp.gate_proj", mlp.gate_up_proj, 0, spec.mlp_bias),
-                ("mlp.up_proj", mlp.gate_up_proj, spec.intermediate_size, spec.mlp_bias),
-                ("mlp.down_proj", mlp.down_proj, 0, spec.mlp_bias),
+                ("self_attn.q_proj", attn.qkv_proj, 0, columns, columns, spec.qkv_bias),
+                ("self_attn.k_proj", attn.qkv_proj, q_size, columns, columns, spec.qkv_bias),
+                ("self_attn.v_proj", attn.qkv_proj, q_size + kv_size, columns, columns, spec.qkv_bias),
+                ("self_attn.o_proj", attn.o_proj, 0, rows, once, spec.o_bias),
+                ("mlp.gate_proj", mlp.gate_up_proj, 0, columns, columns, spec.mlp_bias),
+                ("mlp.up_proj", mlp.gate_up_proj, mlp.intermediate, columns, columns, spec.mlp_bias),
+                ("mlp.down_proj", mlp.down_proj, 0, rows, once, spec.mlp_bias),
             ]
-            for name, linear, offset, has_bias in fused:
-                for kind in ("weight", "bias") if has_bias else ("weight",):
-                    targets[f"{prefix}{name}.{kind}"] = _part_copier(linear, kind, offset)
+            for name, linear, offset, weight_shard, bias_shard, has_bias in fused:
+                targets[f"{prefix}{name}.weight"] = weight_shard(_part_copier(linear, "weight", offset))
+                if has_bias:
+                    targets[f"{prefix}{name}.bias"] = bias_shard(_part_copier(linear, "bias", offset))
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 targets[f"{prefix}{norm}.weight"] = _copier(getattr(layer, norm).weight)
             if attn.qk_norm_weight is not None:  # each head's row gets the same per-channel weight
-                q_rows, k_rows = attn.qk_norm_weight.split([spec.num_heads, spec.num_kv_heads])
+                q_rows, k_rows = attn.qk_norm_weight.split([attn.num_heads, attn.num_kv_heads])
                 targets[prefix + "self_attn.q_norm.weight"] = _copier(q_rows, broadcast=True)
                 targets[prefix + "self_attn.k_norm.weight"] = _copier(k_rows, broadcast=True)
         return targets
@@ -233,3 +268,8 @@ def _copier(param: Tensor, broadcast: bool = False) -> WeightLoader:
 
 def _part_copier(linear: Linear, kind: str, offset: int) -> WeightLoader:
     return lambda tensor: linear.load_part(kind, offset, tensor)
+
+
+def _sharded(shard: Callable[[Tensor], Tensor]) -> Callable[[WeightLoader], WeightLoader]:
+    """Wrap a loader so it receives this rank's shard of the checkpoint tensor."""
+    return lambda load: lambda tensor: load(shard(tensor))

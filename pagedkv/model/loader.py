@@ -29,6 +29,7 @@ from pagedkv.attention.backend import AttentionBackend
 from pagedkv.extension import cache_root
 from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.spec import ModelSpec
+from pagedkv.parallel.group import SINGLE, TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -72,22 +73,18 @@ def load_model(
     weight_format: str = "float32",
     attention: AttentionBackend | None = None,
     kernels: bool = False,
+    tp: TensorParallel = SINGLE,
 ) -> LoadedModel:
     """Model, tokenizer and config from ``path`` (None: the default model), attending through ``attention``.
 
     ``kernels`` runs norms, SiLU and RoPE compiled and packs the linear layers for the panel GEMM
     (``pagedkv.model.panel``) where it builds; with ``weight_format="gguf"`` they keep the checkpoint's exact
-    4-/8-bit codes instead of fp32.
+    4-/8-bit codes instead of fp32. ``tp``: load only this tensor-parallel rank's shard.
     """
     source = Path(path or default_model_path()).expanduser()
-    if source.is_file() and source.suffix == ".gguf":
-        directory = converted_gguf_directory(source)
-    elif source.is_dir() and (source / "config.json").is_file():
-        directory = source
-    else:
-        raise FileNotFoundError(f"no model at {str(source)!r}: expected {_ACCEPTED}")
+    directory = model_directory(source)
     config = transformers.AutoConfig.from_pretrained(directory)
-    model = LlamaForCausalLM(config, weight_format, attention)
+    model = LlamaForCausalLM(config, weight_format, attention, tp)
     model.load_weights(_read_safetensors(directory))
     quantized = weight_format == "gguf"
     if kernels:
@@ -107,6 +104,15 @@ def load_model(
         max_model_len=model.spec.max_model_len,
         path=str(source),
     )
+
+
+def model_directory(source: Path) -> Path:
+    """The HF directory to load ``source`` from: itself, or a GGUF file's converted copy (made once)."""
+    if source.is_file() and source.suffix == ".gguf":
+        return converted_gguf_directory(source)
+    if source.is_dir() and (source / "config.json").is_file():
+        return source
+    raise FileNotFoundError(f"no model at {str(source)!r}: expected {_ACCEPTED}")
 
 
 def _read_safetensors(directory: Path) -> dict[str, torch.Tensor]:

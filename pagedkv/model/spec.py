@@ -72,10 +72,6 @@ class ModelSpec:
             rope=rope_parameters(config),
         )
 
-    @property
-    def qkv_size(self) -> int:
-        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-
 
 def _sliding_window(config: Any) -> int | None:
     """The attention window, if the config turns one on (Mistral v0.1; Qwen with use_sliding_window).

@@ -1,0 +1,162 @@
+"""Starting and stopping tensor-parallel ranks: rank 0 is the engine, ranks 1..N-1 are workers.
+
+A worker joins the group, loads its shard of the model, allocates its share of the KV pool (its KV heads,
+every block), and then runs whatever flat step rank 0 broadcasts until rank 0 says stop. It holds no
+scheduler, no KV manager state and no sampler: the same code runs whether the ranks share a machine or not.
+
+Two ways to get the ranks:
+
+* one machine (``tensor_parallel_size=N``): rank 0 spawns N-1 processes (``torch.multiprocessing``,
+  spawn) and they meet on a TCP port on 127.0.0.1 that the OS picked free at start;
+* several machines: every rank is started by ``torchrun`` (``env://``: ``RANK``, ``WORLD_SIZE``,
+  ``MASTER_ADDR``, ``MASTER_PORT``); ranks other than 0 serve as workers and exit when rank 0 is done.
+
+A worker that dies is noticed before the next step (its exit code, one machine) or by the step's
+collectives failing within ``STEP_TIMEOUT_S`` (any machine): the step raises
+:class:`TensorParallelFailure`, which stops the engine with a clear error instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+import torch.multiprocessing as mp
+
+from pagedkv.parallel import wire
+from pagedkv.parallel.group import TensorParallel, join_group, leave_group
+
+if TYPE_CHECKING:
+    from pagedkv.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+STOP_WAIT_S = 10.0
+
+
+class TensorParallelFailure(RuntimeError):
+    """The group broke (a rank died or a collective timed out): the engine cannot run another step."""
+
+
+class Workers:
+    """Rank 0's handle on the other ranks: health checks before a step, and the stop at the end."""
+
+    def __init__(self, tp: TensorParallel, processes: list) -> None:
+        self.tp = tp
+        self.processes = processes  # empty when torchrun started the ranks
+        self.closed = False
+
+    def check(self) -> None:
+        dead = [(p.name, p.exitcode) for p in self.processes if p.exitcode is not None]
+        if dead:
+            raise TensorParallelFailure(f"tensor-parallel worker(s) exited: {dead} (name, exit code)")
+
+    def failure(self, exc: BaseException) -> TensorParallelFailure:
+        exits = [(p.name, p.exitcode) for p in self.processes]
+        return TensorParallelFailure(f"the tensor-parallel group failed ({exc}); workers (name, exit code): {exits}")
+
+    def close(self) -> None:
+        """Tell the workers to stop, wait for them, and leave the group (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if all(p.exitcode is None for p in self.processes):
+                wire.send_stop(self.tp)
+        except RuntimeError:
+            logger.warning("could not tell the tensor-parallel workers to stop; terminating them")
+        for process in self.processes:
+            process.join(STOP_WAIT_S)
+            if process.exitcode is None:
+                process.kill()
+                process.join()
+        leave_group()
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def start(config: EngineConfig, model_directory: str) -> Workers:
+    """Rank 0's side: the group of ``config.tensor_parallel_size`` ranks, workers started or joined.
+
+    Under torchrun this process may be another rank: then it serves as a worker and exits when rank 0 stops.
+    """
+    world = config.tensor_parallel_size
+    _check_divides(model_directory, world)
+    if launched_by_torchrun():
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if size != world:
+            raise ValueError(f"torchrun started {size} ranks but tensor_parallel_size is {world}: make them equal")
+        tp = join_group(rank, size, "env://")
+        if rank != 0:
+            serve(tp, config, model_directory)
+            raise SystemExit(0)
+        return Workers(tp, [])
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    context = mp.get_context("spawn")
+    worker_config = replace(config, num_threads=rank_threads(config))
+    processes = [
+        context.Process(
+            target=_worker_main,
+            args=(rank, world, init_method, worker_config, model_directory),
+            name=f"pagedkv-tp{rank}",
+            daemon=True,
+        )
+        for rank in range(1, world)
+    ]
+    for process in processes:
+        process.start()
+    return Workers(join_group(0, world, init_method), processes)
+
+
+def rank_threads(config: EngineConfig) -> int:
+    """Torch threads per rank: the ranks share the machine's cores unless ``num_threads`` says otherwise."""
+    return config.num_threads or max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+
+
+def serve(tp: TensorParallel, config: EngineConfig, model_directory: str) -> None:
+    """A worker's life: load the shard, size the pool as rank 0 says, run steps until told to stop."""
+    from pagedkv import kernels
+    from pagedkv.attention.backend import select_backend
+    from pagedkv.engine.runner import ModelRunner
+    from pagedkv.kv.manager import KVCacheManager
+    from pagedkv.model.loader import load_model
+
+    attention = select_backend(config.attention_backend)
+    loaded = load_model(model_directory, config.weight_format, attention, kernels.use_kernels(config.kernels), tp)
+    num_blocks = int(tp.broadcast(torch.zeros(1, dtype=torch.int64), idle=True))
+    runner = ModelRunner(loaded.model, KVCacheManager(num_blocks, config.block_size, False), tp)
+    while (inputs := wire.receive_step(tp)) is not None:
+        runner.run(inputs)
+
+
+def _worker_main(rank: int, world: int, init_method: str, config: EngineConfig, model_directory: str) -> None:
+    torch.set_num_threads(config.num_threads)
+    tp = join_group(rank, world, init_method)
+    try:
+        serve(tp, config, model_directory)
+    finally:
+        leave_group()
+
+
+def _check_divides(model_directory: str, world: int) -> None:
+    """Refuse a size that does not split the heads and the MLP, before any process starts."""
+    import transformers
+
+    from pagedkv.model.spec import ModelSpec
+
+    spec = ModelSpec.from_hf_config(transformers.AutoConfig.from_pretrained(model_directory))
+    tp = TensorParallel(0, world)
+    tp.split(spec.num_heads, "query heads")
+    tp.split(spec.num_kv_heads, "KV heads")
+    tp.split(spec.intermediate_size, "MLP width")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
