@@ -77,6 +77,12 @@ def test_structured_quick_json():
     assert grammar["steps"] > 0 and grammar["compute"] > 0 and grammar["apply"] > 0  # the masks were used
 
 
+def test_tensor_parallel_quick_json():
+    summary = run_quick_json("tensor_parallel.py")
+    assert summary["size"] == 3 and summary["end_to_end"]["greedy_tokens_equal"] is True
+    assert all(math.isfinite(t) and t > 0 for t in summary["collectives_us"].values())
+
+
 def test_panel_linear_quick_runs():
     """The linear-layer benchmark checks every candidate against MKL before timing it; it must get that far."""
     result = subprocess.run(

@@ -1,0 +1,156 @@
+"""What tensor parallelism costs on this machine: the collectives by size, and TP=3 vs TP=1 end to end.
+
+    python benchmarks/tensor_parallel.py [--size 3] [--requests 8] [--max-new-tokens 32] [--quick] [--json]
+
+1. Collectives, timed on ``--size`` spawned ranks over gloo on 127.0.0.1 (median of many calls, rank 0's
+   clock): the all-reduce after o_proj / down_proj at the hidden size of the default model (576) for
+   1..2048 rows, the logits gather of a vocabulary slice, and a step's broadcast (header + payload).
+   A step of the default model makes 61 all-reduces (2 per layer + the embedding) and one gather.
+2. End to end: the workload's chat questions, greedy, TP=``--size`` vs TP=1 in one run, the same number of
+   threads in total; output tokens/s, and whether the tokens are equal.
+
+On a 2-core machine TP cannot be faster: the point is what it costs, so you know what a real multi-socket
+or multi-machine split has to win back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import format_table  # noqa: E402
+
+from pagedkv import LLM, SamplingParams  # noqa: E402
+from pagedkv.engine.step_inputs import StepInputs  # noqa: E402
+from pagedkv.parallel import wire  # noqa: E402
+from pagedkv.parallel.group import join_group, leave_group  # noqa: E402
+from pagedkv.parallel.workers import _free_port  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+HIDDEN, VOCAB = 576, 49152  # the default model's
+
+
+def _median_us(fn, repeats: int) -> float:
+    for _ in range(5):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(samples)
+
+
+def _time_collectives(rank: int, world: int, init_method: str, repeats: int, results) -> None:
+    torch.set_num_threads(1)
+    tp = join_group(rank, world, init_method)
+    rows = {}
+    try:
+        for n in (1, 8, 32, 256, 2048):
+            x = torch.randn(n, HIDDEN)
+            rows[f"all_reduce [{n}, {HIDDEN}]"] = _median_us(lambda x=x: tp.all_reduce(x), repeats)
+        for n in (1, 32):
+            local = torch.randn(n, VOCAB // world)
+            rows[f"gather logits [{n}, {VOCAB // world}] x {world}"] = _median_us(
+                lambda local=local: tp.gather_logits(local, VOCAB), repeats
+            )
+        step = StepInputs(list(range(32)), list(range(32)), [[i] for i in range(32)], [1] * 32, [9] * 32,
+                          list(range(32)), [], [])  # fmt: skip
+        if tp.is_driver:
+            rows["step broadcast (32 decodes)"] = _median_us(lambda: wire.send_step(tp, step), repeats)
+            wire.send_stop(tp)
+        else:
+            while wire.receive_step(tp) is not None:
+                pass
+        results.put((rank, rows))
+    finally:
+        leave_group()
+
+
+def collectives(world: int, repeats: int) -> dict[str, float]:
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    procs = [
+        context.Process(target=_time_collectives, args=(r, world, init_method, repeats, results)) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    out = dict(results.get(timeout=600) for _ in range(world))
+    for p in procs:
+        p.join(30)
+    return out[0]
+
+
+def end_to_end(size: int, conversations: list, max_new_tokens: int, threads: int) -> dict:
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=0)
+    runs = {}
+    for tp in (1, size):
+        llm = LLM(tensor_parallel_size=tp, num_threads=max(1, threads // tp), num_kv_blocks=512)
+        llm.chat(conversations[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm up
+        llm.reset_prefix_cache()
+        start = time.perf_counter()
+        outputs = llm.chat(conversations, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        tokens = sum(len(o.token_ids) for o in outputs)
+        runs[tp] = {"tok_s": tokens / wall, "ids": [o.token_ids for o in outputs]}
+        llm.engine.close()
+    return {
+        "tok_s_tp1": round(runs[1]["tok_s"], 1),
+        f"tok_s_tp{size}": round(runs[size]["tok_s"], 1),
+        "ratio": round(runs[size]["tok_s"] / runs[1]["tok_s"], 3),
+        "greedy_tokens_equal": runs[1]["ids"] == runs[size]["ids"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2, help="threads in total, shared by the ranks")
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, 2 requests, 8 tokens")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.requests, args.max_new_tokens = 20, 2, 8
+    log = sys.stderr if args.json else sys.stdout
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
+    cpu += " (AVX-512)" if any("avx512f" in line for line in lines) else " (AVX2)"
+    print(f"CPU: {cpu}, {os.cpu_count()} cores; {args.size} ranks, gloo on 127.0.0.1", file=log)
+    timings = collectives(args.size, args.repeats)
+    print(format_table(["collective", "median us"], [[k, v] for k, v in timings.items()]), file=log)
+    per_step = (
+        61 * timings[f"all_reduce [1, {HIDDEN}]"] + timings[f"gather logits [1, {VOCAB // args.size}] x {args.size}"]
+    )
+    print(f"a one-row decode step's collectives: ~{per_step / 1000:.1f} ms", file=log)
+    data = json.loads((ROOT / "workloads" / "chat_shared_prefix.json").read_text())
+    conversations = [
+        [{"role": "system", "content": data["system"]}, {"role": "user", "content": q}]
+        for q in data["questions"][: args.requests]
+    ]
+    e2e = end_to_end(args.size, conversations, args.max_new_tokens, args.threads)
+    print(
+        f"end to end, {args.requests} chats x {args.max_new_tokens} tokens: TP=1 {e2e['tok_s_tp1']} tok/s, "
+        f"TP={args.size} {e2e[f'tok_s_tp{args.size}']} tok/s ({e2e['ratio']}x); greedy tokens equal: "
+        f"{e2e['greedy_tokens_equal']}",
+        file=log,
+    )
+    summary = {"cpu": cpu, "size": args.size, "collectives_us": timings, "one_row_step_collectives_ms": per_step / 1000}
+    if args.json:
+        print(json.dumps(summary | {"end_to_end": e2e}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
