@@ -6,8 +6,9 @@
    clock): the all-reduce after o_proj / down_proj at the hidden size of the default model (576) for
    1..2048 rows, the logits gather of a vocabulary slice, and a step's broadcast (header + payload).
    A step of the default model makes 61 all-reduces (2 per layer + the embedding) and one gather.
-2. End to end: the workload's chat questions, greedy, TP=``--size`` vs TP=1 in one run, the same number of
-   threads in total; output tokens/s, and whether the tokens are equal.
+2. End to end: the workload's chat questions, greedy, TP=``--size`` (and its exact mode) vs TP=1 in one
+   run, the same number of threads in total; output tokens/s, and whether tokens (and, for the exact mode,
+   logprobs) are equal.
 
 On a 2-core machine TP cannot be faster: the point is what it costs, so you know what a real multi-socket
 or multi-machine split has to win back.
@@ -92,23 +93,29 @@ def collectives(world: int, repeats: int) -> dict[str, float]:
 
 
 def end_to_end(size: int, conversations: list, max_new_tokens: int, threads: int) -> dict:
-    params = SamplingParams(max_tokens=max_new_tokens, temperature=0)
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=0, logprobs=0)
     runs = {}
-    for tp in (1, size):
-        llm = LLM(tensor_parallel_size=tp, num_threads=max(1, threads // tp), num_kv_blocks=512)
+    for name, tp, exact in (("tp1", 1, False), (f"tp{size}", size, False), (f"tp{size}_exact", size, True)):
+        llm = LLM(
+            tensor_parallel_size=tp, tensor_parallel_exact=exact, num_threads=max(1, threads // tp), num_kv_blocks=512
+        )
         llm.chat(conversations[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm up
         llm.reset_prefix_cache()
         start = time.perf_counter()
         outputs = llm.chat(conversations, params, use_tqdm=False)
         wall = time.perf_counter() - start
         tokens = sum(len(o.token_ids) for o in outputs)
-        runs[tp] = {"tok_s": tokens / wall, "ids": [o.token_ids for o in outputs]}
+        runs[name] = {"tok_s": tokens / wall, "outputs": [(o.token_ids, o.outputs[0].logprobs) for o in outputs]}
         llm.engine.close()
+    one = runs["tp1"]
+    tokens = [[ids for ids, _ in run["outputs"]] for run in runs.values()]
     return {
-        "tok_s_tp1": round(runs[1]["tok_s"], 1),
-        f"tok_s_tp{size}": round(runs[size]["tok_s"], 1),
-        "ratio": round(runs[size]["tok_s"] / runs[1]["tok_s"], 3),
-        "greedy_tokens_equal": runs[1]["ids"] == runs[size]["ids"],
+        "tok_s": {name: round(run["tok_s"], 1) for name, run in runs.items()},
+        "vs_tp1": {name: round(run["tok_s"] / one["tok_s"], 3) for name, run in runs.items()},
+        "greedy_tokens_equal": all(
+            [i for i, _ in run["outputs"]] == [i for i, _ in one["outputs"]] for run in runs.values()
+        ),
+        "exact_bitwise_equal": runs[f"tp{size}_exact"]["outputs"] == one["outputs"],
     }
 
 
@@ -142,9 +149,9 @@ def main() -> None:
     ]
     e2e = end_to_end(args.size, conversations, args.max_new_tokens, args.threads)
     print(
-        f"end to end, {args.requests} chats x {args.max_new_tokens} tokens: TP=1 {e2e['tok_s_tp1']} tok/s, "
-        f"TP={args.size} {e2e[f'tok_s_tp{args.size}']} tok/s ({e2e['ratio']}x); greedy tokens equal: "
-        f"{e2e['greedy_tokens_equal']}",
+        f"end to end, {args.requests} chats x {args.max_new_tokens} tokens: tok/s {e2e['tok_s']}, vs TP=1 "
+        f"{e2e['vs_tp1']}; greedy tokens equal: {e2e['greedy_tokens_equal']}; exact mode bitwise equal to TP=1: "
+        f"{e2e['exact_bitwise_equal']}",
         file=log,
     )
     summary = {"cpu": cpu, "size": args.size, "collectives_us": timings, "one_row_step_collectives_ms": per_step / 1000}

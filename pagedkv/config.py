@@ -64,6 +64,12 @@ class EngineConfig:
         "processes the model is split across (Megatron-style tensor parallelism on torch.distributed, gloo; "
         "started on this machine, or by torchrun across machines); 1 = off",
     )
+    tensor_parallel_exact: bool = _option(
+        False,
+        "with tensor parallelism: gather each row-parallel layer's input so every output keeps its one-process "
+        "sum -- outputs bitwise equal to tensor_parallel_size=1, at two all-gathers per layer instead of one "
+        "all-reduce",
+    )
     dtype: str | None = _option(None, "deprecated: use weight_format ('q4' is now 'gguf')", deprecated=True)
     linear_backend: str | None = _option(None, "deprecated: use kernels (panel: True, torch: False)", deprecated=True)
 

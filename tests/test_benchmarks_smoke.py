@@ -80,6 +80,7 @@ def test_structured_quick_json():
 def test_tensor_parallel_quick_json():
     summary = run_quick_json("tensor_parallel.py")
     assert summary["size"] == 3 and summary["end_to_end"]["greedy_tokens_equal"] is True
+    assert summary["end_to_end"]["exact_bitwise_equal"] is True
     assert all(math.isfinite(t) and t > 0 for t in summary["collectives_us"].values())
 
 

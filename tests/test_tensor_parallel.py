@@ -156,17 +156,20 @@ def test_tiny_model_sharded_2_and_3_ways_matches_one_process(tiny_models, size):
         )  # two TP runs: bitwise
 
 
-def test_default_model_at_tp3_gives_the_same_greedy_chat_answers():
+def test_default_model_at_tp3_gives_the_same_greedy_chat_answers_and_exact_mode_the_same_bits():
     questions = ["What is the capital of France?", "Name three fruits.", "Write a haiku about the sea."]
     conversations = [[{"role": "user", "content": q}] for q in questions]
-    params = SamplingParams(max_tokens=24, temperature=0)
+    params = SamplingParams(max_tokens=24, temperature=0, logprobs=1)
     one = LLM(num_kv_blocks=128, num_threads=1).chat(conversations, params, use_tqdm=False)
-    split = LLM(tensor_parallel_size=3, num_kv_blocks=128, num_threads=1)
-    try:
-        three = split.chat(conversations, params, use_tqdm=False)
-    finally:
-        split.engine.close()
-    assert [o.token_ids for o in three] == [o.token_ids for o in one]
+    for exact in (False, True):
+        split = LLM(tensor_parallel_size=3, tensor_parallel_exact=exact, num_kv_blocks=128, num_threads=1)
+        try:
+            three = split.chat(conversations, params, use_tqdm=False)
+        finally:
+            split.engine.close()
+        assert [o.token_ids for o in three] == [o.token_ids for o in one]
+        if exact:
+            assert [o.outputs[0].logprobs for o in three] == [o.outputs[0].logprobs for o in one]
 
 
 def test_a_killed_worker_is_an_error_not_a_hang(tiny):
@@ -196,3 +199,16 @@ def test_kernel_attention_shards_too(tiny):
     split = _generate(llm, PROMPTS[:3], GREEDY)
     llm.engine.close()
     assert [o.token_ids for o in split] == [o.token_ids for o in whole]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_exact_mode_gives_one_process_bits(tiny_models, size):
+    """tensor_parallel_exact: every output keeps its full sum, so TP=N is TP=1 to the bit (kernels on)."""
+    options = {"model": str(tiny_models[size]), "num_kv_blocks": 64, "num_threads": 1}
+    params = SamplingParams(max_tokens=10, temperature=0, logprobs=3)
+    whole = _generate(LLM(**options), PROMPTS, params)
+    llm = LLM(tensor_parallel_size=size, tensor_parallel_exact=True, **options)
+    split = _generate(llm, PROMPTS, params)
+    llm.engine.close()
+    for one, other in zip(whole, split, strict=True):
+        assert (other.token_ids, other.logprobs, other.top_logprobs) == (one.token_ids, one.logprobs, one.top_logprobs)

@@ -134,7 +134,11 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one GEMM."""
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one GEMM.
+
+    A tensor-parallel shard passes ``row_parallel`` (how down_proj's output becomes whole on every rank) and,
+    when its down_proj is not ``intermediate -> hidden``, ``down_shape`` (in, out).
+    """
 
     def __init__(
         self,
@@ -142,20 +146,21 @@ class SwiGLU(nn.Module):
         intermediate: int,
         bias: bool,
         dtype: torch.dtype,
-        reduce: Callable[[Tensor], Tensor] | None = None,
+        row_parallel: Callable[[Linear, Tensor], Tensor] | None = None,
+        down_shape: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         self.intermediate = intermediate
-        self.reduce = reduce  # the all-reduce of a tensor-parallel shard's partial sums (None: whole model)
+        self.row_parallel = row_parallel
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias, dtype)
-        self.down_proj = Linear(intermediate, hidden, bias, dtype)
+        self.down_proj = Linear(*(down_shape or (intermediate, hidden)), bias, dtype)
         self.compiled = False  # one C++ pass for silu(gate) * up (set by the model with its compiled kernels)
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)
         if self.compiled and gate_up.dim() == 2 and gate_up.is_contiguous():
-            out = self.down_proj(kernels.silu_mul(gate_up))
+            hidden = kernels.silu_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)
-            out = self.down_proj(F.silu(gate) * up)
-        return out if self.reduce is None else self.reduce(out)
+            hidden = F.silu(gate) * up
+        return self.down_proj(hidden) if self.row_parallel is None else self.row_parallel(self.down_proj, hidden)

@@ -8,7 +8,8 @@ the rows the caller samples from.
 
 With tensor parallelism (``tp``, see ``pagedkv.parallel``) each rank holds a Megatron-style shard: its
 query and KV heads' columns of q/k/v and its rows of gate/up (column-parallel), the matching columns of
-o_proj and down_proj (row-parallel: partial sums, one all-reduce each), and a slice of the vocabulary for
+o_proj and down_proj (row-parallel: partial sums, one all-reduce each; or with ``tp.exact``, their output
+rows over the gathered input, so each output keeps its full sum), and a slice of the vocabulary for
 the embedding (all-reduced) and the LM head (logits gathered to rank 0). Norms are replicated. The weights
 are sharded as they are loaded, so the panel GEMM packs only this rank's part.
 """
@@ -48,7 +49,11 @@ class LlamaAttention(nn.Module):
         self.tp = tp
         qkv_size = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = Linear(spec.hidden_size, qkv_size, spec.qkv_bias, dtype)
-        self.o_proj = Linear(self.num_heads * spec.head_dim, spec.hidden_size, spec.o_bias, dtype)
+        if tp.exact:  # rows of the output over the whole gathered input (see TensorParallel.row_parallel)
+            out_size = tp.split(spec.hidden_size, "hidden size")
+            self.o_proj = Linear(spec.num_heads * spec.head_dim, out_size, spec.o_bias, dtype)
+        else:
+            self.o_proj = Linear(self.num_heads * spec.head_dim, spec.hidden_size, spec.o_bias, dtype)
         # Qwen3's q_norm and k_norm, one row per head ([Hq + Hkv, D]) so both run as one normalisation.
         rows = self.num_heads + self.num_kv_heads
         self.qk_norm_weight = empty_parameter(rows, spec.head_dim, dtype=torch.float32) if spec.qk_norm else None
@@ -67,7 +72,7 @@ class LlamaAttention(nn.Module):
         out = self.attention.forward(
             qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, split:], *kv_cache, meta, self.scale
         )
-        return self.tp.all_reduce(self.o_proj(out.view(tokens, -1)))
+        return self.tp.row_parallel(self.o_proj, out.view(tokens, -1))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -77,7 +82,9 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(spec, dtype, attention, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         intermediate = tp.split(spec.intermediate_size, "MLP width")
-        self.mlp = SwiGLU(spec.hidden_size, intermediate, spec.mlp_bias, dtype, reduce=tp.all_reduce)
+        # exact: down_proj's output rows over the whole gathered input (see TensorParallel.row_parallel)
+        down = (spec.intermediate_size, tp.split(spec.hidden_size, "hidden size")) if tp.exact else None
+        self.mlp = SwiGLU(spec.hidden_size, intermediate, spec.mlp_bias, dtype, tp.row_parallel, down)
 
     def forward(
         self, h: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, kv_cache: tuple[Tensor, Tensor]
@@ -226,6 +233,8 @@ class LlamaForCausalLM(nn.Module):
             targets["lm_head.weight"] = vocab(_copier(self.lm_head.weight))
         columns, rows = _sharded(lambda t: tp.shard(t, 0)), _sharded(lambda t: tp.shard(t, 1))
         once = _sharded(lambda t: t if tp.is_driver else torch.zeros_like(t))  # a row-parallel bias: added once
+        if tp.exact:  # o_proj and down_proj split by output rows, like the column-parallel layers
+            rows = once = columns
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp

@@ -8,6 +8,10 @@ Megatron-style sharding needs four collectives, all on ``torch.distributed`` (gl
 * ``gather_logits``: each rank's vocabulary slice of the LM head's logits, concatenated on rank 0;
 * ``broadcast`` of each step's flat inputs from rank 0 (``pagedkv.parallel.wire``).
 
+``exact`` trades the all-reduce for two all-gathers per row-parallel layer (:meth:`row_parallel`): the
+layer's input is gathered whole and each rank computes its slice of the *outputs* over the full input, so
+every output keeps the one summation order it has in one process, and TP=N gives TP=1's bits.
+
 Two process groups: ``compute`` (the collectives inside a step) with a short timeout, so a rank that died
 or hangs fails the step within ``timeout_s`` instead of hanging the engine; and ``control`` (the wait for
 the next step) with a very long one, since a worker of an idle server waits for hours and that is fine.
@@ -17,6 +21,7 @@ the next step) with a very long one, since a worker of an idle server waits for 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -35,6 +40,7 @@ class TensorParallel:
     world_size: int = 1
     compute: Any = field(default=None, compare=False)  # torch.distributed process groups (None: one process)
     control: Any = field(default=None, compare=False)
+    exact: bool = False  # row-parallel layers over gathered inputs: TP=1's bits (see row_parallel)
 
     @property
     def is_driver(self) -> bool:
@@ -72,6 +78,21 @@ class TensorParallel:
             dist.all_reduce(x, group=self.compute)
         return x
 
+    def all_gather(self, x: Tensor) -> Tensor:
+        """Every rank's ``x`` side by side along the last dimension, in rank order."""
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.compute)
+        return torch.cat(parts, dim=-1)
+
+    def row_parallel(self, linear: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+        """The full output of a row-parallel layer (o_proj, down_proj) on every rank, from this rank's slice
+        ``x`` of its input: partial sums all-reduced, or (``exact``) outputs of the gathered input gathered."""
+        if self.world_size == 1:
+            return linear(x)
+        if self.exact:
+            return self.all_gather(linear(self.all_gather(x)))
+        return self.all_reduce(linear(x))
+
     def gather_logits(self, local: Tensor, vocab_size: int) -> Tensor:
         """Rank 0: the full ``[rows, vocab_size]`` logits from every rank's slice; other ranks: their slice."""
         if self.world_size == 1:
@@ -90,11 +111,13 @@ class TensorParallel:
 SINGLE = TensorParallel()
 
 
-def join_group(rank: int, world_size: int, init_method: str, timeout_s: float = STEP_TIMEOUT_S) -> TensorParallel:
+def join_group(
+    rank: int, world_size: int, init_method: str, exact: bool = False, timeout_s: float = STEP_TIMEOUT_S
+) -> TensorParallel:
     """Join (and for the first caller, create) the gloo group; blocks until all ``world_size`` ranks have."""
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=IDLE_TIMEOUT)
     compute = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    return TensorParallel(rank, world_size, compute, dist.group.WORLD)
+    return TensorParallel(rank, world_size, compute, dist.group.WORLD, exact)
 
 
 def leave_group() -> None:

@@ -86,12 +86,12 @@ def start(config: EngineConfig, model_directory: str) -> Workers:
     Under torchrun this process may be another rank: then it serves as a worker and exits when rank 0 stops.
     """
     world = config.tensor_parallel_size
-    _check_divides(model_directory, world)
+    _check_divides(model_directory, world, config.tensor_parallel_exact)
     if launched_by_torchrun():
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if size != world:
             raise ValueError(f"torchrun started {size} ranks but tensor_parallel_size is {world}: make them equal")
-        tp = join_group(rank, size, "env://")
+        tp = join_group(rank, size, "env://", config.tensor_parallel_exact)
         if rank != 0:
             serve(tp, config, model_directory)
             raise SystemExit(0)
@@ -110,7 +110,7 @@ def start(config: EngineConfig, model_directory: str) -> Workers:
     ]
     for process in processes:
         process.start()
-    return Workers(join_group(0, world, init_method), processes)
+    return Workers(join_group(0, world, init_method, config.tensor_parallel_exact), processes)
 
 
 def rank_threads(config: EngineConfig) -> int:
@@ -136,14 +136,14 @@ def serve(tp: TensorParallel, config: EngineConfig, model_directory: str) -> Non
 
 def _worker_main(rank: int, world: int, init_method: str, config: EngineConfig, model_directory: str) -> None:
     torch.set_num_threads(config.num_threads)
-    tp = join_group(rank, world, init_method)
+    tp = join_group(rank, world, init_method, config.tensor_parallel_exact)
     try:
         serve(tp, config, model_directory)
     finally:
         leave_group()
 
 
-def _check_divides(model_directory: str, world: int) -> None:
+def _check_divides(model_directory: str, world: int, exact: bool) -> None:
     """Refuse a size that does not split the heads and the MLP, before any process starts."""
     import transformers
 
@@ -154,6 +154,8 @@ def _check_divides(model_directory: str, world: int) -> None:
     tp.split(spec.num_heads, "query heads")
     tp.split(spec.num_kv_heads, "KV heads")
     tp.split(spec.intermediate_size, "MLP width")
+    if exact:
+        tp.split(spec.hidden_size, "hidden size")
 
 
 def _free_port() -> int:
