@@ -64,6 +64,13 @@ class Linear(nn.Module):
         self.panel = panel.pack(self.weight.data, format)
         return self.panel is not None
 
+    def release_weight(self) -> None:
+        """Drop the row-major weight once the panel serves every call: each weight is then held once, in the
+        format the GEMM reads (for the default model in gguf format: 0.75 instead of 4.75 bytes a weight)."""
+        if self.panel is None:
+            raise RuntimeError("release_weight needs a packed panel: the weight is the only copy")
+        self.weight = empty_parameter(0, self.weight.shape[1], dtype=self.weight.dtype)
+
     def forward(self, x: Tensor) -> Tensor:
         if self.panel is not None:
             out = panel.panel_linear(x, self.panel)

@@ -17,7 +17,7 @@ are sharded as they are loaded, so the panel GEMM packs only this rank's part.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -122,24 +122,28 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_positions, spec.rope)
 
-    def use_kernels(self, quantized: bool) -> Counter[str]:
+    def use_kernels(self, quantized: bool, root: nn.Module | None = None) -> Counter[str]:
         """Run norms, SiLU-and-multiply and RoPE on the compiled ops and, where the panel GEMM builds, pack
-        every fp32 linear layer (LM head included) for it; returns the number of linear layers per panel format.
+        every fp32 linear layer (LM head included) for it; returns the number of linear layers packed per
+        panel format. A packed layer's row-major weight is freed, unless it is also the embedding table (a
+        tied LM head). ``root``: only the modules under it (a layer just loaded); packed ones are skipped.
 
         With ``quantized``, a layer takes the checkpoint's own codes where they reproduce its weights
         exactly -- Q4_1 (0.75 bytes a weight) before Q8_0 (1.125) -- and fp32 panels otherwise.
         """
         gemm = kernels.gemm.available()
         formats: Counter[str] = Counter()
-        for module in self.modules():
+        for module in (root or self).modules():
             if isinstance(module, (RMSNorm, SwiGLU, LlamaAttention)):
                 module.compiled = True
-            if gemm and isinstance(module, Linear):
+            if gemm and isinstance(module, Linear) and module.panel is None:
                 chosen = next((f for f in _CODES if quantized and module.use_panel(f)), None)
                 if chosen is None and module.use_panel("fp32"):
                     chosen = "fp32"
                 if chosen is not None:
                     formats[chosen] += 1
+                    if module.weight is not self.embed_tokens:
+                        module.release_weight()
         return formats
 
     @property
@@ -205,8 +209,14 @@ class LlamaForCausalLM(nn.Module):
         h = nn.functional.embedding(local.masked_fill(outside, 0), self.embed_tokens).float()
         return self.tp.all_reduce(h.masked_fill_(outside.unsqueeze(1), 0.0))
 
-    def load_weights(self, tensors: dict[str, Tensor]) -> None:
-        """Copy a checkpoint given by HF parameter names; raises on missing or unexpected weights."""
+    def load_weights(
+        self, tensors: Mapping[str, Tensor], after_layer: Callable[[nn.Module], object] | None = None
+    ) -> None:
+        """Copy a checkpoint given by HF parameter names; raises on missing or unexpected weights.
+
+        Each tensor is read once, when its turn comes, layer after layer, and ``after_layer`` is called on
+        each decoder layer once it is complete. With a lazy mapping (the loader's) and packing in
+        ``after_layer``, the whole checkpoint is never in memory twice: peak memory stays near the final."""
         targets = self._weight_targets()
         names = {n for n in tensors if not n.endswith(_IGNORED_SUFFIXES)}
         if self.spec.tie_word_embeddings:
@@ -217,9 +227,13 @@ class LlamaForCausalLM(nn.Module):
                 f"checkpoint does not match the {self.spec.model_type} config: unexpected weights "
                 f"{unexpected[:5]}, missing weights {missing[:5]}"
             )
+        layer_of = {n: int(n.split(".")[2]) if n.startswith("model.layers.") else -1 for n in names}
         with torch.no_grad():
-            for name in names:
-                targets[name](tensors[name])
+            for index in range(-1, len(self.layers)):
+                for name in sorted(n for n in names if layer_of[n] == index):
+                    targets[name](tensors[name])
+                if index >= 0 and after_layer is not None:
+                    after_layer(self.layers[index])
 
     def _weight_targets(self) -> dict[str, WeightLoader]:
         """HF parameter name -> function that copies that tensor into its (possibly fused) place."""

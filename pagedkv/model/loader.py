@@ -17,13 +17,16 @@ import logging
 import os
 import shutil
 import tempfile
+from collections import Counter
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from pagedkv.attention.backend import AttentionBackend
 from pagedkv.extension import cache_root
@@ -85,10 +88,12 @@ def load_model(
     directory = model_directory(source)
     config = transformers.AutoConfig.from_pretrained(directory)
     model = LlamaForCausalLM(config, weight_format, attention, tp)
-    model.load_weights(_read_safetensors(directory))
     quantized = weight_format == "gguf"
+    formats: Counter[str] = Counter()
+    pack = (lambda layer: formats.update(model.use_kernels(quantized, layer))) if kernels else None
+    model.load_weights(_read_safetensors(directory), after_layer=pack)  # each layer packed once loaded
     if kernels:
-        formats = model.use_kernels(quantized)
+        formats.update(model.use_kernels(quantized))  # the LM head, and everything's compiled flags
         logger.info("panel linear layers: %s", dict(formats))
         if quantized and not formats.keys() & {"q4", "q8"}:
             logger.warning("weight_format 'gguf': no linear layer of %s runs on Q4_1/Q8_0 codes; running fp32", source)
@@ -115,8 +120,25 @@ def model_directory(source: Path) -> Path:
     raise FileNotFoundError(f"no model at {str(source)!r}: expected {_ACCEPTED}")
 
 
-def _read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a single-file or sharded (``model.safetensors.index.json``) checkpoint."""
+class _Checkpoint(Mapping):
+    """The tensors of safetensors files by name, each read from disk only when asked for."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where = {name: handle for handle in self._handles for name in handle.keys()}  # noqa: SIM118 (a safe_open handle is not a dict)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def _read_safetensors(directory: Path) -> Mapping[str, torch.Tensor]:
+    """All tensors of a single-file or sharded (``model.safetensors.index.json``) checkpoint, read lazily."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -127,10 +149,7 @@ def _read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
             f"{str(directory)!r} has no *.safetensors weights: expected {_ACCEPTED} "
             "(convert .bin checkpoints to safetensors first)"
         )
-    tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        tensors.update(load_file(directory / name))
-    return tensors
+    return _Checkpoint([directory / name for name in files])
 
 
 def _eos_token_ids(directory: Path, config: Any, tokenizer: Any) -> set[int]:
