@@ -5,7 +5,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test lint bench setup clean
+.PHONY: run test test-browser lint bench setup clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,14 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# The KV page in a real headless Chromium, from Debian's packages (installed here, not on the default path:
+# it is a few hundred MB). `make test` runs the same test, which skips without Chromium and says why.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+test-browser: $(STAMP)
+	-command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+		($(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends chromium)
+	$(BIN)/python -m pytest -q -rs tests/test_kv_page_browser.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check pagedkv tests benchmarks run.py

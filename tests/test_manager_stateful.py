@@ -2,8 +2,10 @@
 
 The model names cached content by the whole (salt, token prefix) tuple instead of a hash chain, keeps the
 free queue as a plain list, and records which tokens were written into each block, so a prefix hit can be
-checked against what the blocks really hold. Tokens come from a 3-letter alphabet so prefixes collide often,
-and the pool is tiny so allocations fail and blocks get evicted.
+checked against what the blocks really hold. It also keeps what the cache report and the KV map read: every
+content evicted since (for ``miss_reason``), per-block hit counts, and each block's parent. Tokens come from
+a 3-letter alphabet so prefixes collide often, and the pool is tiny so allocations fail and blocks get
+evicted.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class Model:
         self.cached: dict[Content, int] = {}
         self.written: list[Content | None] = [None] * num_blocks
         self.queries = self.hits = self.evictions = 0
+        self.evicted: set[Content] = set()  # every content evicted and not cached again since
+        self.block_hits = [0] * num_blocks  # prefix hits on each block since it was cached
 
     def prefix_content(self, req: Req, i: int) -> Content:
         return (req.salt, tuple(req.tokens[: (i + 1) * self.bs]))
@@ -57,6 +61,17 @@ class Model:
             hit.append(block)
         return hit
 
+    def miss_reason(self, req: Req, num_hit_blocks: int) -> str:
+        """Why the cached prefix ends after ``num_hit_blocks`` blocks (pagedkv.kv.cache_report's words)."""
+        if not self.caching:
+            return "disabled"
+        if num_hit_blocks >= len(req.tokens) // self.bs:
+            return "hit" if len(req.tokens) >= self.bs else "new"
+        content = self.prefix_content(req, num_hit_blocks)
+        if content in self.cached:
+            return "last_token"
+        return "evicted" if content in self.evicted else "new"
+
     def allocate(self, req: Req, num_tokens: int, prefix: list[int] | None) -> bool:
         prefix = prefix or []
         new = max(0, -(-num_tokens // self.bs) - len(req.table) - len(prefix))
@@ -66,13 +81,16 @@ class Model:
             if self.ref[b] == 0:
                 self.free.remove(b)
             self.ref[b] += 1
+            self.block_hits[b] += 1
         req.table.extend(prefix)
         req.num_keyed = max(req.num_keyed, len(prefix))
         for _ in range(new):
             b = self.free.pop(0)
             if self.content[b] is not None:
                 del self.cached[self.content[b]]
+                self.evicted.add(self.content[b])
                 self.content[b] = None
+                self.block_hits[b] = 0
                 self.evictions += 1
             self.ref[b] = 1
             req.table.append(b)
@@ -90,6 +108,7 @@ class Model:
             if key not in self.cached:
                 self.cached[key] = req.table[i]
                 self.content[req.table[i]] = key
+                self.evicted.discard(key)
         req.num_keyed = max(req.num_keyed, num_full)
 
     def release(self, req: Req) -> None:
@@ -103,6 +122,8 @@ class Model:
             return False
         self.cached.clear()
         self.content = [None] * self.n
+        self.evicted.clear()
+        self.block_hits = [0] * self.n
         return True
 
 
@@ -144,8 +165,11 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), salt=st.sampled_from([None, None, "s"]))
     def add_request(self, data: st.DataObject, salt: str | None) -> None:
         base = data.draw(st.sampled_from(self.past))
-        base = base[: data.draw(st.integers(0, len(base)))]
-        tokens = base + data.draw(st.lists(ALPHABET, min_size=0 if base else 1, max_size=10))
+        if data.draw(st.integers(0, 3)) == 0:  # a repeat: hits, and for whole blocks the one-token rule
+            tokens = list(base)
+        else:
+            base = base[: data.draw(st.integers(0, len(base)))]
+            tokens = base + data.draw(st.lists(ALPHABET, min_size=0 if base else 1, max_size=10))
         self.past.append(tokens)
         rid, self.next_id = f"r{self.next_id}", self.next_id + 1
         req = Req(tokens, salt)
@@ -154,6 +178,7 @@ class ManagerMachine(RuleBasedStateMachine):
         expected = self.model.find(req)
         assert hit.block_ids == expected
         assert hit.num_tokens == len(hit.block_ids) * self.m.block_size < len(tokens)
+        assert self.m.miss_reason(req.keys, hit, None) == self.model.miss_reason(req, len(expected))
         self.check_hit_holds_tokens(req, hit.block_ids)
         chunk = data.draw(st.integers(hit.num_tokens + 1, len(tokens)))
         if self.do_allocate(rid, req, chunk, hit):
@@ -228,11 +253,23 @@ class ManagerMachine(RuleBasedStateMachine):
             key = m.pool.key_of(b)
             assert (key is None) == (model.content[b] is None)
             assert key is None or m.pool.lookup(key) == b
+            assert m.pool.parent_key_of(b) == parent_key(model.content[b], model.bs)
+        assert m.pool.hits() == model.block_hits
         stats = m.stats()
         assert stats["evictions"] == model.evictions
         assert stats["prefix_cache_queries"] == model.queries
         assert stats["prefix_cache_hits"] == model.hits
         assert stats["kv_blocks_free"] + stats["kv_blocks_used"] == stats["kv_blocks_total"] == model.n
+
+
+def parent_key(content: Content | None, block_size: int) -> bytes | None:
+    """The key of the block before a cached block, from its content: the chain's key of its prefix."""
+    if content is None or len(content[1]) == block_size:
+        return None
+    salt, tokens = content
+    keys: list[bytes] = []
+    extend_block_keys(keys, list(tokens[:-block_size]), block_size, salt)
+    return keys[-1]
 
 
 ManagerMachine.TestCase.settings = settings(

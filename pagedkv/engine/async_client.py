@@ -17,9 +17,16 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
-from pagedkv.engine.core_thread import AddCommand, EngineStopped, EngineThread, FinishCommand, RequestFailed
+from pagedkv.engine.core_thread import (
+    AddCommand,
+    EngineStopped,
+    EngineThread,
+    FinishCommand,
+    InspectCommand,
+    RequestFailed,
+)
 from pagedkv.engine.metrics import ServerMetrics
 from pagedkv.engine.output_processor import Stop
 from pagedkv.engine.request import CoreOutput, RequestOutput
@@ -28,7 +35,10 @@ from pagedkv.engine.tokenizer_worker import EnginePrompt, TokenizerWorker
 from pagedkv.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from pagedkv.engine.core import EngineCore
     from pagedkv.engine.engine import LLMEngine
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +122,16 @@ class AsyncEngine:
 
     def _set_stats(self, stats: dict[str, float]) -> None:
         self._stats = stats
+
+    async def inspect(self, read: Callable[[EngineCore], T]) -> T:
+        """``read(core)``, run on the engine thread between two steps (the only place the core's state is
+        whole); raises EngineStopped if the engine is not running, or what ``read`` raised."""
+        thread = self._thread
+        if thread is None or not thread.is_running:
+            raise EngineStopped("the engine is not running")
+        future = asyncio.get_running_loop().create_future()
+        thread.submit(InspectCommand(read, future))
+        return await future
 
     async def add(
         self,

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from pagedkv import structured
+from pagedkv.engine.counter_history import CounterHistory
 from pagedkv.engine.request import CoreOutput, Request
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
@@ -35,6 +36,7 @@ class EngineCore:
         self.sampler = sampler
         self._vocab_size = runner.model.spec.vocab_size
         self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedkv-grammar")
+        self.history = CounterHistory()  # the cache counters over time, for the KV map
 
     def add(self, requests: Sequence[Request]) -> None:
         """Queue built requests (the n samples of one prompt together)."""
@@ -72,9 +74,11 @@ class EngineCore:
             masks, failed = masking.result()
             _apply_grammar_masks(result.logits, rows, masks)
         out, sampling_failed = self._sample(result.logits, rows)
-        return self.scheduler.update_from_output(
+        outputs = self.scheduler.update_from_output(
             step, result.sampled, out, failed | sampling_failed, result.prompt_logprobs
         )
+        self.history.offer(self.stats)
+        return outputs
 
     def _grammar_masks(self, step: SchedulerOutput) -> tuple[dict[str, torch.Tensor], set[str]]:
         """Allowed-token bitmasks of the step's sampled rows with a grammar, by request id; a request whose

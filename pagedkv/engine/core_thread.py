@@ -48,6 +48,15 @@ class AddCommand:
 
 
 @dataclass(slots=True)
+class InspectCommand:
+    """Run ``read(core)`` between two steps, where the core's state is whole (the KV map's snapshot);
+    ``future`` gets its result or its error."""
+
+    read: Callable[[EngineCore], object]
+    future: asyncio.Future
+
+
+@dataclass(slots=True)
 class FinishCommand:
     """Stop these core requests: an abort, or a stop string the output processor found."""
 
@@ -77,7 +86,7 @@ class EngineThread:
         self._on_core_outputs = on_core_outputs
         self._on_failure = on_failure
         self._on_death = on_death
-        self._commands: deque[AddCommand | FinishCommand] = deque()
+        self._commands: deque[AddCommand | FinishCommand | InspectCommand] = deque()
         self._lock = threading.Lock()  # orders submit() against the thread's death
         self._wake = threading.Event()
         self._stopping = False
@@ -91,13 +100,13 @@ class EngineThread:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping and not self._dead
 
-    def submit(self, command: AddCommand | FinishCommand) -> None:
+    def submit(self, command: AddCommand | FinishCommand | InspectCommand) -> None:
         with self._lock:
             if not self._dead:
                 self._commands.append(command)
                 self._wake.set()
                 return
-        if isinstance(command, AddCommand):
+        if isinstance(command, (AddCommand, InspectCommand)):
             self._post(_settle, command.future, EngineStopped("the engine is not running"))
 
     def stop(self, timeout_s: float) -> bool:
@@ -123,7 +132,7 @@ class EngineThread:
                 orphans = list(self._commands)
                 self._commands.clear()
             for command in orphans:
-                if isinstance(command, AddCommand):
+                if isinstance(command, (AddCommand, InspectCommand)):
                     self._post(_settle, command.future, EngineStopped("the engine is not running"))
             self._post(self._on_death, EngineStopped(f"the engine thread died ({type(exc).__name__})"))
 
@@ -159,9 +168,17 @@ class EngineThread:
         self._publish_stats(self.core.stats())
         return list(dict.fromkeys(r.group_id for r in live))
 
-    def _apply(self, command: AddCommand | FinishCommand) -> None:
+    def _apply(self, command: AddCommand | FinishCommand | InspectCommand) -> None:
         if isinstance(command, FinishCommand):
             self.core.finish(command.request_ids, command.reason, command.stop_reason)
+            return
+        if isinstance(command, InspectCommand):
+            try:
+                result, error = command.read(self.core), None
+            except Exception as exc:  # a reader's bug fails its caller, never the engine
+                logger.exception("inspecting the engine failed")
+                result, error = None, exc
+            self._post(_settle, command.future, error, result)
             return
         try:
             self.core.add(command.requests)
@@ -173,10 +190,10 @@ class EngineThread:
         self._post(_settle, command.future, None)
 
 
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+def _settle(future: asyncio.Future, error: BaseException | None, result: object = None) -> None:
     if future.done():  # the waiting handler was cancelled; it sent an abort for these requests
         return
     if error is None:
-        future.set_result(None)
+        future.set_result(result)
     else:
         future.set_exception(error)

@@ -64,6 +64,7 @@ class GroupState:
     samples: list[SampleState]
     arrival_time: float = field(default_factory=time.perf_counter)
     num_cached_tokens: int = 0
+    cache_miss_reason: str | None = None
     # with SamplingParams.prompt_logprobs: one entry per prompt position (None for the first), filled as the
     # prefill chunks are scored; every output carries the list (not a copy) once every position has one
     prompt_logprobs: list[PromptLogprob | None] | None = None
@@ -148,6 +149,7 @@ class OutputProcessor:
             group, sample = entry
             touched[group.group_id] = group
             group.num_cached_tokens = core.num_cached_tokens
+            group.cache_miss_reason = core.cache_miss_reason or group.cache_miss_reason
             if core.prompt_logprobs is not None and group.prompt_logprobs is not None:
                 start, entries = core.prompt_logprobs  # a prompt scored again after a preemption: same values
                 group.prompt_logprobs[start : start + len(entries)] = entries
@@ -243,4 +245,5 @@ def _build_output(group: GroupState) -> RequestOutput:
         metrics={"arrival_time": group.arrival_time, "ttft": ttft, "last_token_time": first.last_token_time or 0.0},
         error=INTERNAL_ERROR if any(s.finish_reason == "error" for s in group.samples) else None,
         prompt_logprobs=group.prompt_logprobs if group.prompt_logprobs_ready else None,
+        cache_miss_reason=group.cache_miss_reason,
     )

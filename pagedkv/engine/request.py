@@ -58,6 +58,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+    cache_miss_reason: str | None = None  # why that hit ended where it did (pagedkv.kv.cache_report)
+    # The first uncached block's index when the request was first held back for another request computing it.
+    waited_for_block: int | None = None
     # The current admission's prefix-cache hit: K/V of positions below it lie in shared blocks and are never
     # written again (a request scoring its prompt still runs those positions, for their logits).
     num_hit_tokens: int = 0
@@ -138,6 +141,7 @@ class CoreOutput:
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
     stop_token: bool = False  # the last new token ended the request as EOS or a stop id: not part of the text
+    cache_miss_reason: str | None = None
     logprobs: list[float] | None = None  # one per new token, for requests that asked
     top_logprobs: list[list[tuple[int, float]]] | None = None
     # prompt logprobs computed this step: (position of the first one, one entry per position from there)
@@ -152,6 +156,7 @@ class CoreOutput:
             request.stop_reason,
             request.num_cached_tokens or 0,
             request.stopped_on_token,
+            request.cache_miss_reason,
         )
 
 
@@ -182,6 +187,8 @@ class RequestOutput:
     ``error``: set when a sample finished with "error"; a message safe to show the client.
     ``prompt_logprobs``: with ``SamplingParams.prompt_logprobs``, one entry per prompt token, None for the
     first (nothing precedes it), in every output from the one where the whole prompt is scored.
+    ``num_cached_tokens``: prompt tokens reused from the prefix cache; ``cache_miss_reason``: why not more
+    (``hit``, ``new``, ``evicted``, ``last_token``, ``waited`` or ``disabled``; see pagedkv.kv.cache_report).
     """
 
     request_id: str
@@ -193,6 +200,7 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    cache_miss_reason: str | None = None
 
     @property
     def text(self) -> str:

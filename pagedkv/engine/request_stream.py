@@ -38,6 +38,7 @@ class RequestStream:
         self.prompt_tokens = sum(prompt_lens)
         self.completion_tokens = 0
         self.cached_tokens: dict[int, int] = {}
+        self.cache_miss_reasons: dict[int, str | None] = {}
         self.unfinished = set(range(len(prompt_lens)))
         self.aborted = False
         self.start_time = time.perf_counter()
@@ -76,6 +77,7 @@ class RequestStream:
         """Hand an output to the reader, merged into the one it has not taken yet (if any)."""
         self.completion_tokens += sum(len(sample.delta_token_ids) for sample in output.outputs)
         self.cached_tokens[index] = output.num_cached_tokens
+        self.cache_miss_reasons[index] = output.cache_miss_reason
         pending = self._pending.get(index)
         if pending is None:
             self._pending[index] = output
@@ -98,6 +100,7 @@ def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
     for a, b in zip(into.outputs, new.outputs, strict=True):
         _merge_sample(a, b)
     into.finished, into.num_cached_tokens, into.error = new.finished, new.num_cached_tokens, new.error
+    into.cache_miss_reason = new.cache_miss_reason
     into.metrics = new.metrics
     into.prompt_logprobs = new.prompt_logprobs or into.prompt_logprobs
 

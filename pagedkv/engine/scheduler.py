@@ -171,6 +171,8 @@ class Scheduler:
             hit = self.kv.find_cached_prefix(request.block_keys, request.num_tokens)
             first_new_block = len(hit.block_ids)
             if first_new_block < len(request.block_keys) and request.block_keys[first_new_block] in in_flight:
+                if request.waited_for_block is None:
+                    request.waited_for_block = first_new_block
                 deferred.append(request)
                 continue
             # Scoring the prompt needs every position's logits: its prefill starts at 0 over the cached
@@ -182,6 +184,7 @@ class Scheduler:
                 break
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = hit.num_tokens
+                request.cache_miss_reason = self.kv.miss_reason(request.block_keys, hit, request.waited_for_block)
             request.num_hit_tokens = hit.num_tokens
             request.num_computed_tokens = start
             request.status = RequestStatus.RUNNING

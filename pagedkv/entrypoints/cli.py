@@ -1,9 +1,10 @@
-"""`pagedkv generate | chat | serve | bench` -- the command line."""
+"""`pagedkv generate | chat | serve | kv-map | bench` -- the command line."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import subprocess
 import sys
 from dataclasses import fields
@@ -96,6 +97,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args, engine_kwargs(args))
 
 
+def cmd_kv_map(args: argparse.Namespace) -> int:
+    from pagedkv.kv_map import fetch_kv_json, save_kv_map
+
+    api_key = args.api_key or os.environ.get("PAGEDKV_API_KEY") or None
+    try:
+        data = fetch_kv_json(args.server, api_key)
+    except OSError as exc:
+        print(f"could not read {args.server.rstrip('/')}/kv.json: {exc}", file=sys.stderr)
+        return 1
+    print(save_kv_map(data, args.output))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     script = Path(__file__).resolve().parents[2] / "benchmarks" / f"{args.benchmark}.py"
     if not script.exists():
@@ -139,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     ServerLimits.add_arguments(serve)
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    kv_map = sub.add_parser("kv-map", help="draw a running server's KV cache (GET /kv.json) to a PNG")
+    kv_map.add_argument("--server", default="http://127.0.0.1:8000", help="the server's base URL")
+    kv_map.add_argument("--output", default="kv_map.png", help="PNG file to write")
+    kv_map.add_argument("--api-key", default=None, help="the server's API key (default: $PAGEDKV_API_KEY)")
+    kv_map.set_defaults(func=cmd_kv_map)
 
     bench = sub.add_parser("bench", help=f"run a benchmark script ({', '.join(BENCHMARKS)})")
     bench.add_argument("benchmark", choices=BENCHMARKS)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.engine.request import OutputKind, RequestOutput
+from pagedkv.kv.snapshot import read_engine, snapshot_json
 from pagedkv.sampling import SamplingParams
 
 Messages = Sequence[dict[str, str]]
@@ -108,6 +111,17 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
+
+    def kv_map(self) -> dict:
+        """The KV map's data, as the server's ``GET /kv.json`` serves it: every block's state, the hottest
+        cached prefixes and the counters over time (``pagedkv.kv.snapshot``)."""
+        return snapshot_json(read_engine(self.engine.core))
+
+    def save_kv_map(self, path: str | os.PathLike) -> Path:
+        """Draw the KV map to a PNG at ``path`` (needs matplotlib: ``pip install 'pagedkv[plot]'``)."""
+        from pagedkv.kv_map import save_kv_map
+
+        return save_kv_map(self.kv_map(), path)
 
 
 def _per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:

@@ -33,6 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedkv.engine.async_client import AsyncEngine
 from pagedkv.engine.metrics import ServerMetrics
+from pagedkv.entrypoints.kv_page import add_kv_routes, basic_auth_matches, with_browser_challenge
 from pagedkv.entrypoints.limits import ServerLimits
 from pagedkv.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from pagedkv.entrypoints.responses import ModelCard, ModelList
@@ -89,6 +90,7 @@ class RequestGate:
     ) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.api_key = api_key or None
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
         self.loopback_only = loopback_only
@@ -106,10 +108,12 @@ class RequestGate:
             )
         if error is None and self.expected and scope["path"] != "/health":
             given = headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, self.expected):
+            path = scope["path"]
+            if not hmac.compare_digest(given, self.expected) and not basic_auth_matches(path, given, self.api_key):
                 error = APIError(
                     401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
                 )
+                error = with_browser_challenge(path, error)  # the KV page asks a browser for the key
         length = headers.get("content-length", "")
         if error is None and length.isdigit() and int(length) > self.max_body_bytes:
             error = self._too_large()
@@ -220,6 +224,7 @@ def build_app(
         RequestGate, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics, loopback_only=loopback_only
     )
     _add_error_handlers(app, metrics)
+    add_kv_routes(app, async_engine)  # GET /kv (the live KV map) and /kv.json
 
     @app.get("/health")
     async def health() -> Response:

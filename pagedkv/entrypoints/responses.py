@@ -19,6 +19,9 @@ class Usage(BaseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    # pagedkv's extension: why the prompt was not served from the prefix cache beyond cached_tokens
+    # ("hit", "new", "evicted", "last_token", "waited", "disabled"; see pagedkv.kv.cache_report)
+    cache_miss_reason: str | None = None
 
 
 class CompletionLogprobs(BaseModel):

@@ -34,6 +34,7 @@ from pagedkv.entrypoints.responses import (
     TopLogprob,
     Usage,
 )
+from pagedkv.kv import cache_report
 from pagedkv.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -188,12 +189,15 @@ def fresh_samples(index: int, output: RequestOutput, reported: set[tuple[int, in
 
 
 def usage(stream: RequestStream) -> Usage:
-    """Token counts over all prompts; a prompt's tokens count once however many samples it has."""
+    """Token counts over all prompts; a prompt's tokens count once however many samples it has. The cache
+    miss reason of several prompts is the first prompt's that is not "hit" (``cache_report.aggregate``)."""
+    reasons = [stream.cache_miss_reasons[i] for i in sorted(stream.cache_miss_reasons)]
     return Usage(
         prompt_tokens=stream.prompt_tokens,
         completion_tokens=stream.completion_tokens,
         total_tokens=stream.prompt_tokens + stream.completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(stream.cached_tokens.values())),
+        cache_miss_reason=cache_report.aggregate(reasons),
     )
 
 

@@ -4,6 +4,10 @@ The pool knows nothing about requests; `KVCacheManager` decides which blocks a r
 lazy: a block whose count drops to 0 keeps its key and stays findable, and only loses the key when the
 free queue hands it out again. That is what lets a finished request's prompt be hit by the next one.
 
+For the cache report and the KV map it also keeps, per block, its key's parent and how many prefix hits
+reused it since it was cached, and a bounded record of recently evicted keys (so a miss can say `evicted`
+rather than `new`): plain list writes on paths that already touch the block.
+
 State is plain Python lists and dicts indexed by block id; every operation costs O(blocks touched).
 """
 
@@ -18,12 +22,17 @@ from pagedkv.kv.hashing import BlockKey
 class BlockPool:
     """`num_blocks` blocks, all free at start; the free queue hands out the least recently freed first."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, evicted_record_size: int | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self._ref_cnt: list[int] = [0] * num_blocks
         self._block_key: list[BlockKey | None] = [None] * num_blocks
+        self._parent_key: list[BlockKey | None] = [None] * num_blocks
+        self._hits: list[int] = [0] * num_blocks  # prefix hits on the block since it was cached
+        # Keys evicted lately, oldest first; twice the pool by default: a few pool-fulls of turnover.
+        self._evicted: OrderedDict[BlockKey, None] = OrderedDict()
+        self.evicted_record_size = max(1024, 2 * num_blocks) if evicted_record_size is None else evicted_record_size
         self._key_to_block: dict[BlockKey, int] = {}
         # OrderedDict as the LRU queue: popitem(last=False) takes the oldest, `del` removes a hit in O(1).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -54,6 +63,22 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._key_to_block)
 
+    def parent_key_of(self, block_id: int) -> BlockKey | None:
+        """The key of the block before this one in its prompt (None for a first block or an unkeyed one)."""
+        return self._parent_key[block_id]
+
+    def hits(self) -> list[int]:
+        """Per block, how many prefix hits reused it since it was cached (a copy)."""
+        return list(self._hits)
+
+    def record_hits(self, block_ids: Iterable[int]) -> None:
+        for block_id in block_ids:
+            self._hits[block_id] += 1
+
+    def was_evicted(self, key: BlockKey) -> bool:
+        """Whether `key` was cached and has been evicted lately (within the bounded record)."""
+        return key in self._evicted
+
     def take_new(self, count: int) -> list[int]:
         """Hand out `count` blocks from the head of the free queue with ref count 1, evicting their keys.
 
@@ -68,6 +93,9 @@ class BlockPool:
             if key is not None:
                 del self._key_to_block[key]
                 self._block_key[block_id] = None
+                self._parent_key[block_id] = None
+                self._hits[block_id] = 0
+                self._remember_eviction(key)
                 self.num_evictions += 1
             self._ref_cnt[block_id] = 1
             taken.append(block_id)
@@ -93,8 +121,16 @@ class BlockPool:
             if ref == 1:
                 self._free[block_id] = None
 
-    def cache(self, block_id: int, key: BlockKey) -> bool:
-        """Register `block_id` under `key`; False (and nothing changes) if another block already holds `key`.
+    def _remember_eviction(self, key: BlockKey) -> None:
+        if self.evicted_record_size <= 0:
+            return
+        self._evicted[key] = None
+        if len(self._evicted) > self.evicted_record_size:
+            self._evicted.popitem(last=False)
+
+    def cache(self, block_id: int, key: BlockKey, parent: BlockKey | None = None) -> bool:
+        """Register `block_id` under `key` (`parent`: the previous block's key, for the prefix tree); False
+        (and nothing changes) if another block already holds `key`.
 
         Keeping the first mapping is safe: two blocks with one key hold the same K/V, and the one left
         unkeyed simply stays private to its request until it is freed and reused.
@@ -106,12 +142,18 @@ class BlockPool:
             raise RuntimeError(f"block {block_id} already has a different key")
         self._key_to_block[key] = block_id
         self._block_key[block_id] = key
+        self._parent_key[block_id] = parent
+        self._evicted.pop(key, None)  # cached again: a later miss on it is not "evicted" until it is
         return True
 
     def reset(self) -> bool:
-        """Forget every key; refused (False) while any block is held, since its owner may still rely on it."""
+        """Forget every key and the eviction record; refused (False) while any block is held, since its owner
+        may still rely on it."""
         if len(self._free) != self.num_blocks:
             return False
         self._key_to_block.clear()
         self._block_key = [None] * self.num_blocks
+        self._parent_key = [None] * self.num_blocks
+        self._hits = [0] * self.num_blocks
+        self._evicted.clear()  # a reset starts over: what follows is "new", as in a fresh engine
         return True

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pagedkv.kv import cache_report
 from pagedkv.kv.block_pool import BlockPool
 from pagedkv.kv.hashing import BlockKey
 
@@ -102,6 +103,7 @@ class KVCacheManager:
             self._num_keyed[request_id] = 0
         if prefix is not None:
             self.pool.touch(prefix.block_ids)
+            self.pool.record_hits(prefix.block_ids)
             table.extend(prefix.block_ids)
             num_new -= len(prefix.block_ids)
             self._num_keyed[request_id] = len(prefix.block_ids)
@@ -140,7 +142,7 @@ class KVCacheManager:
             )
         start = self._num_keyed[request_id]
         for i in range(start, num_full_blocks):
-            self.pool.cache(table[i], block_keys[i])
+            self.pool.cache(table[i], block_keys[i], block_keys[i - 1] if i else None)
         self._num_keyed[request_id] = max(start, num_full_blocks)
 
     def _cache_computed(self, request_id: str, block_keys: Sequence[BlockKey], num_computed_tokens: int) -> None:
@@ -158,6 +160,15 @@ class KVCacheManager:
         self._num_keyed.pop(request_id, None)
         if table:
             self.pool.release(reversed(table))
+
+    def miss_reason(self, block_keys: Sequence[BlockKey], prefix: PrefixHit, waited_for_block: int | None) -> str:
+        """Why the prompt's cached prefix ends where ``prefix`` (this step's lookup) ends; see ``cache_report``."""
+        pool = self.pool if self.enable_prefix_caching else None
+        return cache_report.miss_reason(pool, block_keys, len(prefix.block_ids), waited_for_block)
+
+    def block_tables(self) -> dict[str, list[int]]:
+        """Every request's block table (copies), for the KV map."""
+        return {request_id: list(table) for request_id, table in self._tables.items()}
 
     def block_table(self, request_id: str) -> list[int]:
         """The request's block ids in position order (the live list: read, don't mutate); [] if unknown."""
@@ -192,4 +203,5 @@ class KVCacheManager:
             "kv_blocks_total": self.num_total_blocks,
             "kv_blocks_free": self.num_free_blocks,
             "kv_blocks_used": self.num_used_blocks,
+            "kv_blocks_cached": self.pool.num_cached_blocks(),  # keyed blocks, held or free
         }

@@ -1,0 +1,102 @@
+"""``GET /kv`` (the live KV map, one self-contained HTML page) and ``GET /kv.json`` (its data).
+
+The snapshot is taken on the engine thread between two steps (``AsyncEngine.inspect``), the only place
+where the pool's ref counts, free queue and block tables agree with each other; it is a few list copies
+there, and the JSON is built on a worker thread, so a page refreshing every second costs the engine
+almost nothing. The page loads nothing from elsewhere (a Content-Security-Policy says so to the browser)
+and polls ``kv.json`` itself.
+
+Auth is the API's: with an API key both routes need it. Browsers cannot send a Bearer header when they
+open a page, so these two routes also take the key as HTTP Basic auth (any user name, the key as the
+password) and ask for it with ``WWW-Authenticate``: the browser prompts once and resends it for the
+page's own requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hmac
+import logging
+from functools import cache
+from importlib import resources
+from typing import TYPE_CHECKING
+
+from starlette.responses import HTMLResponse, JSONResponse
+
+from pagedkv.engine.core_thread import EngineStopped
+from pagedkv.entrypoints.protocol import APIError
+from pagedkv.kv.snapshot import read_engine, snapshot_json
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from pagedkv.engine.async_client import AsyncEngine
+
+KV_PATHS = ("/kv", "/kv.json")
+SNAPSHOT_TIMEOUT_S = 30.0  # a long prefill step can hold the engine thread for seconds
+CONTENT_SECURITY_POLICY = (
+    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
+    "img-src data:; base-uri 'none'; form-action 'none'"
+)
+NO_STORE = {"Cache-Control": "no-store"}
+
+logger = logging.getLogger(__name__)
+
+
+@cache
+def page_html() -> str:
+    return resources.files("pagedkv.entrypoints").joinpath("kv_page.html").read_text(encoding="utf-8")
+
+
+def add_kv_routes(app: FastAPI, engine: AsyncEngine) -> None:
+    @app.get("/kv", include_in_schema=False)
+    async def kv_page() -> HTMLResponse:
+        return HTMLResponse(page_html(), headers={**NO_STORE, "Content-Security-Policy": CONTENT_SECURITY_POLICY})
+
+    @app.get("/kv.json")
+    async def kv_json() -> JSONResponse:
+        try:
+            snapshot = await asyncio.wait_for(engine.inspect(read_engine), SNAPSHOT_TIMEOUT_S)
+        except EngineStopped as exc:
+            raise APIError(503, f"no KV map: {exc}", type="server_error") from exc
+        except asyncio.TimeoutError as exc:
+            raise APIError(503, "the engine did not pause between steps in time: retry", type="server_error") from exc
+        except Exception as exc:  # what the snapshot raised on the engine thread, which logged it
+            raise kv_map_failed() from exc
+        try:
+            body = await asyncio.to_thread(snapshot_json, snapshot)
+        except Exception as exc:  # a bug here fails this request alone, with the details in the log
+            logger.exception("building the KV map failed")
+            raise kv_map_failed() from exc
+        return JSONResponse(body, headers=NO_STORE)
+
+
+def kv_map_failed() -> APIError:
+    return APIError(500, "the KV map could not be built; the server log says why", type="server_error")
+
+
+def basic_auth_matches(path: str, authorization: bytes, api_key: str | None) -> bool:
+    """Whether a request for a KV route carries ``api_key`` as the password of HTTP Basic auth."""
+    if api_key is None or path not in KV_PATHS or not authorization.startswith(b"Basic "):
+        return False
+    try:
+        _, _, password = base64.b64decode(authorization[6:].strip(), validate=True).partition(b":")
+    except (binascii.Error, ValueError):
+        return False
+    return hmac.compare_digest(password, api_key.encode())
+
+
+class KVAuthRequired(APIError):
+    """A 401 that asks a browser for the API key (HTTP Basic), for the KV routes."""
+
+    def headers(self) -> dict[str, str]:
+        return {**super().headers(), "WWW-Authenticate": 'Basic realm="pagedkv", charset="UTF-8"'}
+
+
+def with_browser_challenge(path: str, error: APIError) -> APIError:
+    """``error`` as is, or, on a KV route, the same 401 with a Basic-auth challenge for browsers."""
+    if path not in KV_PATHS:
+        return error
+    return KVAuthRequired(error.status, error.message, error.type, error.param, error.code)

@@ -1,0 +1,140 @@
+"""The KV map's data: every block's state, the hottest cached prefixes and the counters over time.
+
+Two halves, because the engine's thread must not wait on formatting: ``take_snapshot`` copies the pool's
+plain lists on the thread that owns the engine (O(blocks), no hashing, no allocation per block beyond the
+copies), and ``snapshot_json`` turns the copy into the JSON of ``GET /kv.json`` anywhere else.
+
+A block is in one of four states: ``held`` (one request's), ``shared`` (several requests'), ``cached``
+(nobody's, but keyed: a later prompt can hit it; ranked by when it will be evicted, 0 = next) or
+``empty`` (nobody's and keyless). Block keys are shown as short ids keyed with a secret drawn per process,
+so the map shows the structure of the cache without letting anyone test whether a guessed prompt is in it
+(a bare key hash would: hash the guess, look for it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pagedkv.kv.hashing import BlockKey
+from pagedkv.kv.prefix_tree import build_prefix_tree
+
+if TYPE_CHECKING:
+    from pagedkv.kv.manager import KVCacheManager
+
+HELD, SHARED, CACHED, EMPTY = "held", "shared", "cached", "empty"
+STATES = (HELD, SHARED, CACHED, EMPTY)
+# One palette for the page and the PNG; cached blocks shade from `cached_next` (evicted next) to `cached_last`.
+PALETTE = {
+    HELD: "#ff9f1c",
+    SHARED: "#d7263d",
+    "cached_next": "#a6cee3",
+    "cached_last": "#1f4e9c",
+    EMPTY: "#e4e4e4",
+}
+MAX_REQUESTS_PER_BLOCK = 16  # request ids listed per block; `ref_count` still says how many hold it
+
+_KEY_SECRET = os.urandom(16)
+
+
+@dataclass(slots=True)
+class KVSnapshot:
+    """Copies of the pool's state at one moment, plus the engine's counters and their history."""
+
+    time: float
+    block_size: int
+    prefix_caching: bool
+    ref_counts: list[int]
+    keys: list[BlockKey | None]
+    parents: list[BlockKey | None]
+    hits: list[int]
+    free_order: list[int]  # free block ids, next handed out first
+    tables: dict[str, list[int]]  # request id -> its block ids
+    counters: dict[str, float]
+    history: list[dict[str, float]]
+
+
+def take_snapshot(kv: KVCacheManager, counters: dict[str, float], history: list[dict[str, float]]) -> KVSnapshot:
+    """Copy what the map needs; call it on the thread that owns ``kv`` (the engine's)."""
+    pool = kv.pool
+    n = pool.num_blocks
+    return KVSnapshot(
+        time=time.time(),
+        block_size=kv.block_size,
+        prefix_caching=kv.enable_prefix_caching,
+        ref_counts=pool.ref_counts(),
+        keys=[pool.key_of(b) for b in range(n)],
+        parents=[pool.parent_key_of(b) for b in range(n)],
+        hits=pool.hits(),
+        free_order=pool.free_order(),
+        tables=kv.block_tables(),
+        counters=dict(counters),
+        history=list(history),
+    )
+
+
+def key_id(key: BlockKey | None) -> str | None:
+    """A block key as 12 hex digits, keyed with this process's secret (stable while it runs)."""
+    if key is None:
+        return None
+    return hashlib.blake2b(key, key=_KEY_SECRET, digest_size=6).hexdigest()
+
+
+def block_state(ref_count: int, key: BlockKey | None) -> str:
+    if ref_count >= 2:
+        return SHARED
+    if ref_count == 1:
+        return HELD
+    return CACHED if key is not None else EMPTY
+
+
+def snapshot_json(snap: KVSnapshot) -> dict:
+    """The body of ``GET /kv.json``: one entry per block, the state counts, the prefix tree, the counters."""
+    holders: dict[int, list[str]] = {}
+    for request_id, table in sorted(snap.tables.items()):
+        for block_id in table:
+            holders.setdefault(block_id, []).append(request_id)
+    eviction_rank: dict[int, int] = {}
+    for block_id in snap.free_order:
+        if snap.keys[block_id] is not None:
+            eviction_rank[block_id] = len(eviction_rank)
+    blocks = []
+    counts = dict.fromkeys(STATES, 0)
+    for block_id, (ref_count, key) in enumerate(zip(snap.ref_counts, snap.keys)):
+        state = block_state(ref_count, key)
+        counts[state] += 1
+        blocks.append(
+            {
+                "id": block_id,
+                "state": state,
+                "ref_count": ref_count,
+                "key": key_id(key),
+                "parent": key_id(snap.parents[block_id]),
+                "hits": snap.hits[block_id],
+                "eviction_rank": eviction_rank.get(block_id),
+                "requests": holders.get(block_id, [])[:MAX_REQUESTS_PER_BLOCK],
+            }
+        )
+    return {
+        "time": snap.time,
+        "block_size": snap.block_size,
+        "num_blocks": len(blocks),
+        "prefix_caching": snap.prefix_caching,
+        "counts": counts,
+        "num_cached_free": len(eviction_rank),
+        "counters": snap.counters,
+        "history": snap.history,
+        "prefix_tree": build_prefix_tree(blocks),
+        "palette": PALETTE,
+        "blocks": blocks,
+    }
+
+
+def read_engine(core) -> KVSnapshot:
+    """The snapshot of an EngineCore: ``core.scheduler.kv``, its stats, and its counter history with the
+    present as the last sample."""
+    stats = core.stats()
+    return take_snapshot(core.scheduler.kv, stats, core.history.samples(current=stats))
