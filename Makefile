@@ -5,7 +5,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test test-browser lint bench setup clean
+.PHONY: run test test-browser test-ray lint bench setup clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,13 @@ test-browser: $(STAMP)
 	-command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
 		($(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends chromium)
 	$(BIN)/python -m pytest -q -rs tests/test_kv_page_browser.py
+
+# Replicas on Ray Serve: the [ray] extra (~400 MB), with torch held at the version installed above, then its tests.
+# `make test` runs them too once Ray is installed, and skips them, saying why, when it is not.
+test-ray: $(STAMP)
+	echo "torch==2.13.0" > $(VENV)/torch-constraint.txt
+	$(BIN)/pip install --quiet -c $(VENV)/torch-constraint.txt -e '.[ray]'
+	$(BIN)/python -m pytest -q -rs tests/test_ray_serve.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check pagedkv tests benchmarks run.py

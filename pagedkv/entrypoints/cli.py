@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pagedkv.config import EngineConfig
 from pagedkv.entrypoints.limits import ServerLimits
+from pagedkv.entrypoints.replica_options import add_replica_arguments, replicas_requested
 
 BENCHMARKS = ("gather", "attention", "panel_linear", "throughput")
 
@@ -92,6 +93,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if replicas_requested(args):
+        from pagedkv.entrypoints.ray_serve import serve_replicas
+
+        return serve_replicas(args, engine_kwargs(args))
     from pagedkv.entrypoints.openai_server import serve
 
     return serve(args, engine_kwargs(args))
@@ -151,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--served-model-name", default=None, help="model name clients use (default: file name)")
     ServerLimits.add_arguments(serve)
+    add_replica_arguments(serve)
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 
