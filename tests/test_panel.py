@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pagedkv import LLM, SamplingParams, kernels
+from pagedkv.extension import cpu_flags
 from pagedkv.model import panel
 from pagedkv.model.codes import GROUP, Q4_LEVELS, Q8_LEVELS, encode_q4, encode_q8
 
@@ -108,6 +109,93 @@ def test_a_row_does_not_depend_on_its_batch() -> None:
         for i in (0, 5, 6, 39):
             assert torch.equal(panel.panel_linear(x[i : i + 1], packed)[0], together[i]), (fmt, i)
             assert torch.equal(panel.panel_linear(x[: i + 1], packed)[i], together[i]), (fmt, i)
+
+
+# The paths of the private op torch.ops.pagedkv._panel_linear_path (csrc/panel_linear.cpp): the tiled
+# GEMM (what serves > 8 rows), and the register kernels (<= 8 rows), 8 or 16 floats a register.
+AUTO, TILED, AVX2, AVX512 = 0, 1, 2, 3
+has_avx512 = "avx512f" in cpu_flags().split()
+# Odd N (a padded last panel), K < 256, K not a multiple of 256 (a short last chunk) and, for fp32, of 32.
+FEW_ROWS_SHAPES = [(960, 576), (37, 96), (50, 800), (33, 1536), (200, 600)]
+
+
+def _coded_if_possible(n: int, k: int) -> dict[str, torch.Tensor]:
+    """fp32, q4 and q8 weights; only fp32 where K is not a multiple of the 32-weight groups."""
+    return _weights(n, k) if k % GROUP == 0 else {"fp32": torch.randn(n, k) * 0.05}
+
+
+def _path(x: torch.Tensor, packed: panel.PanelWeight, path: int) -> torch.Tensor:
+    return torch.ops.pagedkv._panel_linear_path(
+        x, packed.packed, packed.n, packed.k, panel.FORMATS[packed.format], path
+    )
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "k"), FEW_ROWS_SHAPES)
+def test_few_rows_equal_their_rows_in_a_big_call(n: int, k: int, threads: int) -> None:
+    """Decode-size calls (the register kernels) give every row the bits the tiled path gives it at M = 64.
+
+    Bitwise, as the determinism guarantee needs: whatever M (1-8 and 9, past the switch), wherever the
+    rows sit in x, on 1 or 2 threads, fp32 / q4 / q8.
+    """
+    g = torch.Generator().manual_seed(n + k)
+    for fmt, w in _coded_if_possible(n, k).items():
+        packed = panel.pack(w, fmt)
+        x = torch.randn(64, k, generator=g)
+        together = panel.panel_linear(x, packed)
+        assert torch.equal(together, _path(x, packed, TILED)), fmt  # 64 rows: the tiled path
+        for rows in range(1, 10):
+            for start in (0, 7, 64 - rows):
+                got = panel.panel_linear(x[start : start + rows], packed)
+                assert torch.equal(got, together[start : start + rows]), (fmt, rows, start)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "k"), FEW_ROWS_SHAPES)
+@pytest.mark.parametrize("path", [AVX2, AVX512], ids=["avx2", "avx512"])
+def test_register_kernels_equal_the_tiled_path(n: int, k: int, path: int, threads: int) -> None:
+    """Each instruction set's register kernels, forced at any M (more than 8 rows: several row groups), give
+    the tiled path's bits; so AVX-512 and AVX2 agree with each other too. AVX-512 only where the CPU has it."""
+    if path == AVX512 and not has_avx512:
+        pytest.skip("this CPU has no AVX-512F")
+    g = torch.Generator().manual_seed(n * k)
+    for fmt, w in _coded_if_possible(n, k).items():
+        packed = panel.pack(w, fmt)
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 13):
+            x = torch.randn(rows, k, generator=g)
+            assert torch.equal(_path(x, packed, path), _path(x, packed, TILED)), (fmt, rows)
+
+
+@needs_kernel
+def test_codes_compute_with_exactly_their_weights() -> None:
+    """A q4 / q8 panel gives the bits of an fp32 panel holding the de-quantised weights, on every path:
+    ``d * q`` is exact (fp16 d, 4- or 8-bit q), so de-quantising rounds once whether or not the compiler
+    fuses the multiply and the add."""
+    paths = [TILED, AVX2] + ([AVX512] if has_avx512 else [])
+    for fmt, w in (("q4", q4_1_weight(40, 544)[0]), ("q8", q8_0_weight(40, 544)[0])):
+        coded, fp32 = panel.pack(w, fmt), panel.pack(w, "fp32")
+        for rows in (1, 3, 12):
+            x = torch.randn(rows, 544)
+            for path in paths:
+                assert torch.equal(_path(x, coded, path), _path(x, fp32, path)), (fmt, rows, path)
+
+
+@needs_kernel
+def test_the_path_is_checked() -> None:
+    packed = panel.pack(torch.randn(16, 32), "fp32")
+    with pytest.raises(RuntimeError, match="unknown path"):
+        _path(torch.randn(1, 32), packed, 4)
+    if not has_avx512:
+        with pytest.raises(RuntimeError, match="AVX-512"):
+            _path(torch.randn(1, 32), packed, AVX512)
 
 
 @needs_kernel

@@ -10,12 +10,18 @@
 //   q4:   per group of 32 k, 384 bytes: codes [16 k-pairs][16 outputs] (byte = q[2p] | q[2p + 1] << 4),
 //         then float d[16], then float m[16];  w = d * q + m, q in 0..15 (GGUF Q4_1).
 //   q8:   per group of 32 k, 576 bytes: int8 codes [32 k][16 outputs], then float d[16];  w = d * q (Q8_0).
-// A quantised panel is expanded to fp32, 256 k at a time, into an L1-resident buffer and then multiplied
-// like an fp32 one: the expansion is paid once per call and panel, not once per activation row.
 //
-// Every output is summed in the same order (fused multiply-adds over k within 256-wide chunks, then the
-// chunks), whatever M, the row's position in the batch or the thread split: a request's numbers do not
-// depend on what it is batched with.
+// Two ways through, by the number of rows M:
+//   - tiled (M > 8: prefill, big batches): a quantised panel is expanded to fp32, 256 k at a time, into an
+//     L1-resident buffer and then multiplied like an fp32 one, 6 rows per register tile: the expansion is
+//     paid once per call and panel, not once per row.
+//   - registers (M <= 8: decode): each k's weights of 4 panels (AVX-512) or 2 (AVX2) are de-quantised
+//     straight into registers and used by up to 4 rows at once, with software prefetch; at one row this
+//     reads the weights at close to memory speed, where the tiled path waits on its FMA chains.
+//
+// Every output is summed in the same order on both (fused multiply-adds over k within 256-wide chunks, then
+// the chunks), whatever M, the row's position in the batch, the thread split or the vector width: a
+// request's numbers do not depend on what it is batched with.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -23,6 +29,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -163,6 +170,333 @@ void panels(const Problem& p, int64_t begin, int64_t end) {
   }
 }
 
+// ---- Few rows (decode): weights de-quantised in registers, several panels at a time -----------------------
+//
+// At M = 1 the tiled path above does not stream the weights at memory speed. tile<1> has two dependency
+// chains (8 outputs each), and every FMA waits for the previous one's result (~4 cycles), so a core runs 2
+// FMAs per 4 cycles where it could run 8; a quantised chunk also makes a round trip through the buffer, paid
+// for a single row. Here, for every k, the weights of P panels are decoded straight into registers and feed
+// the accumulators of R <= 4 rows: P independent chains per row and output vector hide the FMA latency, and
+// nothing goes to memory but y.
+//
+// The arithmetic is exactly tile<>'s, in the same order: per 256-k chunk, every output is a chain of FMAs
+// from zero over k ascending, and the chunk sums are added in chunk order; the weights are de-quantised as
+// expand_q4 / expand_q8 do. A row therefore gets the same bits whichever path, vector width, panel group or
+// thread computes it (tests/test_panel.py checks all of them against the tiled path). d * q is exact in fp32
+// (d is an fp16 value, q has 4 or 8 bits), so `d * q + m` rounds once whether or not the compiler fuses the
+// multiply and the add (GCC does by default, here and in expand_q4): every path sees the same weights.
+
+constexpr int kRows = 4;    // most rows per register kernel: 4 x 4 panels of accumulators fill AVX-512's 32
+constexpr int kPanels = 4;  // most panels per register kernel
+constexpr int64_t kQ4Scales = kPanel * kGroup / 2;  // byte offset of d (then m) in a q4 record
+constexpr int64_t kQ8Scales = kPanel * kGroup;      // byte offset of d in a q8 record
+
+// Software prefetch. A register kernel reads P panels at once: P streams, panel_bytes apart, each only a
+// few KiB long (K = 576: 6.75 KiB of q4). The hardware prefetchers lose time on every new stream and do
+// not run far enough ahead of these (measured without: 11-14 GB/s, a third of one core's sequential read), so
+// the kernel asks for every line kAhead bytes before it reads it. Near the end of its panels it asks for
+// the starts of the next P panels -- what this thread reads next -- so a new stream starts warm. A prefetch
+// past the weight's end is dropped, never a fault.
+constexpr int64_t kAhead = 2048;  // bytes; 2-8 KiB measured alike, 1 KiB 25 % slower (too late)
+
+template <int P>
+inline void prefetch(const uint8_t* stream, int64_t offset, int64_t bytes, int64_t panel_bytes) {
+  const int64_t ahead = offset + kAhead < panel_bytes ? kAhead : kAhead + (P - 1) * panel_bytes;
+  for (int64_t line = 0; line < bytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(stream + offset + ahead + line), _MM_HINT_T0);
+}
+
+// -- AVX2: a panel's 16 outputs are two registers, [j][0] (outputs 0-7) and [j][1] (8-15).
+
+// acc[r][j] += x[r][k] * w[j] for R rows and P panels at one k (x points at row 0's x[k]).
+template <int R, int P>
+inline void fma_rows_avx2(const float* x, int64_t ldx, const __m256 (&w)[P][2], __m256 (&acc)[R][P][2]) {
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    const __m256 xv = _mm256_broadcast_ss(x + r * ldx);
+#pragma GCC unroll 4
+    for (int j = 0; j < P; ++j) {
+      acc[r][j][0] = _mm256_fmadd_ps(xv, w[j][0], acc[r][j][0]);
+      acc[r][j][1] = _mm256_fmadd_ps(xv, w[j][1], acc[r][j][1]);
+    }
+  }
+}
+
+// y[row, row + R) x [outputs of panels panel, panel + P) = x W^T. Every loop over r, j or h is unrolled:
+// the arrays then live in registers (an array indexed in a loop that is not, lives on the stack).
+template <int Format, int R, int P>
+void rows_avx2(const Problem& p, int64_t row, int64_t panel) {
+  const uint8_t* w = p.w + panel * p.panel_bytes;
+  const float* x = p.x + row * p.k;
+  __m256 sum[R][P][2] = {};  // set by the first chunk (the zeros only quiet -Wmaybe-uninitialized)
+  for (int64_t k0 = 0; k0 < p.k; k0 += kChunk) {
+    const int64_t k1 = std::min(k0 + kChunk, p.k);
+    __m256 acc[R][P][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int j = 0; j < P; ++j) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
+    if constexpr (Format == kF32) {
+      for (int64_t k = k0; k < k1; ++k) {
+        const int64_t offset = k * kPanel * sizeof(float);
+        __m256 wk[P][2];
+#pragma GCC unroll 4
+        for (int j = 0; j < P; ++j) {
+          prefetch<P>(w + j * p.panel_bytes, offset, kPanel * sizeof(float), p.panel_bytes);
+          const float* src = reinterpret_cast<const float*>(w + j * p.panel_bytes + offset);
+          wk[j][0] = _mm256_loadu_ps(src);
+          wk[j][1] = _mm256_loadu_ps(src + 8);
+        }
+        fma_rows_avx2<R, P>(x + k, p.k, wk, acc);
+      }
+    } else if constexpr (Format == kQ4) {
+      const __m256i low = _mm256_set1_epi32(0x0F);
+      for (int64_t g = k0 / kGroup; g < k1 / kGroup; ++g) {
+        const uint8_t* codes[P];
+        __m256 d[P][2], m[P][2];
+#pragma GCC unroll 4
+        for (int j = 0; j < P; ++j) {
+          prefetch<P>(w + j * p.panel_bytes, g * kQ4Record, kQ4Record, p.panel_bytes);
+          codes[j] = w + j * p.panel_bytes + g * kQ4Record;
+          const float* scales = reinterpret_cast<const float*>(codes[j] + kQ4Scales);
+#pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h) {
+            d[j][h] = _mm256_loadu_ps(scales + 8 * h);
+            m[j][h] = _mm256_loadu_ps(scales + kPanel + 8 * h);
+          }
+        }
+        for (int64_t pair = 0; pair < kGroup / 2; ++pair) {  // k = 2 pair (low nibbles), 2 pair + 1 (high)
+          __m256 even[P][2], odd[P][2];
+#pragma GCC unroll 4
+          for (int j = 0; j < P; ++j) {
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; ++h) {  // 8 outputs' code bytes, each zero-extended to 32 bits
+              const __m256i bytes = _mm256_cvtepu8_epi32(
+                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes[j] + pair * kPanel + 8 * h)));
+              const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, low));
+              const __m256 q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+              even[j][h] = _mm256_add_ps(_mm256_mul_ps(q0, d[j][h]), m[j][h]);
+              odd[j][h] = _mm256_add_ps(_mm256_mul_ps(q1, d[j][h]), m[j][h]);
+            }
+          }
+          fma_rows_avx2<R, P>(x + g * kGroup + 2 * pair, p.k, even, acc);
+          fma_rows_avx2<R, P>(x + g * kGroup + 2 * pair + 1, p.k, odd, acc);
+        }
+      }
+    } else {
+      for (int64_t g = k0 / kGroup; g < k1 / kGroup; ++g) {
+        const uint8_t* codes[P];
+        __m256 d[P][2];
+#pragma GCC unroll 4
+        for (int j = 0; j < P; ++j) {
+          prefetch<P>(w + j * p.panel_bytes, g * kQ8Record, kQ8Record, p.panel_bytes);
+          codes[j] = w + j * p.panel_bytes + g * kQ8Record;
+          const float* scales = reinterpret_cast<const float*>(codes[j] + kQ8Scales);
+          d[j][0] = _mm256_loadu_ps(scales);
+          d[j][1] = _mm256_loadu_ps(scales + 8);
+        }
+        for (int64_t i = 0; i < kGroup; ++i) {
+          __m256 wk[P][2];
+#pragma GCC unroll 4
+          for (int j = 0; j < P; ++j) {
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; ++h) {
+              const __m256i q = _mm256_cvtepi8_epi32(
+                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes[j] + i * kPanel + 8 * h)));
+              wk[j][h] = _mm256_mul_ps(_mm256_cvtepi32_ps(q), d[j][h]);
+            }
+          }
+          fma_rows_avx2<R, P>(x + g * kGroup + i, p.k, wk, acc);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)  // the chunk's sums join the total in chunk order, as tile<> adds them to y
+#pragma GCC unroll 4
+      for (int j = 0; j < P; ++j)
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) sum[r][j][h] = k0 == 0 ? acc[r][j][h] : _mm256_add_ps(sum[r][j][h], acc[r][j][h]);
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int j = 0; j < P; ++j) {
+      float* y = p.y + (row + r) * p.n + (panel + j) * kPanel;
+      const int64_t cols = std::min(kPanel, p.n - (panel + j) * kPanel);  // < 16 in a last, padded panel
+      if (cols == kPanel) {
+        _mm256_storeu_ps(y, sum[r][j][0]);
+        _mm256_storeu_ps(y + 8, sum[r][j][1]);
+      } else {
+        alignas(32) float out[kPanel];
+        _mm256_store_ps(out, sum[r][j][0]);
+        _mm256_store_ps(out + 8, sum[r][j][1]);
+        std::memcpy(y, out, cols * sizeof(float));
+      }
+    }
+  }
+}
+
+// -- AVX-512: the same kernel, a whole panel (16 floats) in one register. Compiled for AVX-512F whatever the
+// build flags (the function attribute), and called only where the CPU has it (has_avx512).
+#define PAGEDKV_AVX512 __attribute__((target("avx512f")))
+
+template <int R, int P>
+PAGEDKV_AVX512 inline void fma_rows_avx512(const float* x, int64_t ldx, const __m512 (&w)[P], __m512 (&acc)[R][P]) {
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    const __m512 xv = _mm512_set1_ps(x[r * ldx]);
+#pragma GCC unroll 4
+    for (int j = 0; j < P; ++j) acc[r][j] = _mm512_fmadd_ps(xv, w[j], acc[r][j]);
+  }
+}
+
+template <int Format, int R, int P>
+PAGEDKV_AVX512 void rows_avx512(const Problem& p, int64_t row, int64_t panel) {
+  const uint8_t* w = p.w + panel * p.panel_bytes;
+  const float* x = p.x + row * p.k;
+  __m512 sum[R][P] = {};
+  for (int64_t k0 = 0; k0 < p.k; k0 += kChunk) {
+    const int64_t k1 = std::min(k0 + kChunk, p.k);
+    __m512 acc[R][P];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int j = 0; j < P; ++j) acc[r][j] = _mm512_setzero_ps();
+    if constexpr (Format == kF32) {
+      for (int64_t k = k0; k < k1; ++k) {
+        const int64_t offset = k * kPanel * sizeof(float);
+        __m512 wk[P];
+#pragma GCC unroll 4
+        for (int j = 0; j < P; ++j) {
+          prefetch<P>(w + j * p.panel_bytes, offset, kPanel * sizeof(float), p.panel_bytes);
+          wk[j] = _mm512_loadu_ps(w + j * p.panel_bytes + offset);
+        }
+        fma_rows_avx512<R, P>(x + k, p.k, wk, acc);
+      }
+    } else if constexpr (Format == kQ4) {
+      const __m512i low = _mm512_set1_epi32(0x0F);
+      for (int64_t g = k0 / kGroup; g < k1 / kGroup; ++g) {
+        const uint8_t* codes[P];
+        __m512 d[P], m[P];
+#pragma GCC unroll 4
+        for (int j = 0; j < P; ++j) {
+          prefetch<P>(w + j * p.panel_bytes, g * kQ4Record, kQ4Record, p.panel_bytes);
+          codes[j] = w + j * p.panel_bytes + g * kQ4Record;
+          d[j] = _mm512_loadu_ps(codes[j] + kQ4Scales);
+          m[j] = _mm512_loadu_ps(codes[j] + kQ4Scales + kPanel * sizeof(float));
+        }
+        for (int64_t pair = 0; pair < kGroup / 2; ++pair) {
+          __m512 even[P], odd[P];
+#pragma GCC unroll 4
+          for (int j = 0; j < P; ++j) {
+            const __m512i bytes =
+                _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes[j] + pair * kPanel)));
+            const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low));
+            const __m512 q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+            even[j] = _mm512_add_ps(_mm512_mul_ps(q0, d[j]), m[j]);
+            odd[j] = _mm512_add_ps(_mm512_mul_ps(q1, d[j]), m[j]);
+          }
+          fma_rows_avx512<R, P>(x + g * kGroup + 2 * pair, p.k, even, acc);
+          fma_rows_avx512<R, P>(x + g * kGroup + 2 * pair + 1, p.k, odd, acc);
+        }
+      }
+    } else {
+      for (int64_t g = k0 / kGroup; g < k1 / kGroup; ++g) {
+        const uint8_t* codes[P];
+        __m512 d[P];
+#pragma GCC unroll 4
+        for (int j = 0; j < P; ++j) {
+          prefetch<P>(w + j * p.panel_bytes, g * kQ8Record, kQ8Record, p.panel_bytes);
+          codes[j] = w + j * p.panel_bytes + g * kQ8Record;
+          d[j] = _mm512_loadu_ps(codes[j] + kQ8Scales);
+        }
+        for (int64_t i = 0; i < kGroup; ++i) {
+          __m512 wk[P];
+#pragma GCC unroll 4
+          for (int j = 0; j < P; ++j) {
+            const __m512i q =
+                _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes[j] + i * kPanel)));
+            wk[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(q), d[j]);
+          }
+          fma_rows_avx512<R, P>(x + g * kGroup + i, p.k, wk, acc);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int j = 0; j < P; ++j) sum[r][j] = k0 == 0 ? acc[r][j] : _mm512_add_ps(sum[r][j], acc[r][j]);
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int j = 0; j < P; ++j) {
+      const int64_t cols = std::min(kPanel, p.n - (panel + j) * kPanel);
+      _mm512_mask_storeu_ps(p.y + (row + r) * p.n + (panel + j) * kPanel, (1u << cols) - 1, sum[r][j]);
+    }
+  }
+}
+
+bool has_avx512() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") != 0;
+  }();
+  return yes;
+}
+
+// The register kernels, one table per instruction set, by [format][R - 1][P - 1]; and how many panels each
+// takes at a time by R: as many independent chains as the registers hold (measured, benchmarks/panel_linear.py).
+using RowsFn = void (*)(const Problem&, int64_t, int64_t);
+struct RowsKernels {
+  std::array<std::array<std::array<RowsFn, kPanels>, kRows>, 3> fn;
+  std::array<int, kRows> panels;
+};
+
+template <bool Avx512, int F, int R, int P>
+void rows_kernel(const Problem& p, int64_t row, int64_t panel) {
+  if constexpr (Avx512) {
+    rows_avx512<F, R, P>(p, row, panel);
+  } else {
+    rows_avx2<F, R, P>(p, row, panel);
+  }
+}
+template <bool Avx512, int F, int R>
+constexpr std::array<RowsFn, kPanels> by_panels() {
+  return {rows_kernel<Avx512, F, R, 1>, rows_kernel<Avx512, F, R, 2>, rows_kernel<Avx512, F, R, 3>,
+          rows_kernel<Avx512, F, R, 4>};
+}
+template <bool Avx512, int F>
+constexpr std::array<std::array<RowsFn, kPanels>, kRows> by_rows() {
+  return {by_panels<Avx512, F, 1>(), by_panels<Avx512, F, 2>(), by_panels<Avx512, F, 3>(), by_panels<Avx512, F, 4>()};
+}
+constexpr RowsKernels kAvx2Rows{{by_rows<false, kF32>(), by_rows<false, kQ4>(), by_rows<false, kQ8>()}, {2, 1, 1, 1}};
+constexpr RowsKernels kAvx512Rows{{by_rows<true, kF32>(), by_rows<true, kQ4>(), by_rows<true, kQ8>()}, {4, 4, 4, 4}};
+
+// Panels [begin, end) for every x row. Rows go in as few groups of at most kRows as cover them, of even
+// sizes (6 rows: 3 + 3, not 4 + 2: every group keeps enough chains); panels go P at a time (fewer at the end).
+void rows_panels(const Problem& p, int64_t begin, int64_t end, const RowsKernels& kernels) {
+  const int64_t groups = (p.rows + kRows - 1) / kRows, most = (p.rows + groups - 1) / groups;
+  const int64_t step = kernels.panels[most - 1];
+  for (int64_t panel = begin; panel < end; panel += step) {
+    const int64_t count = std::min(step, end - panel);
+    for (int64_t row = 0; row < p.rows; row += most) {
+      const int64_t rows = std::min(most, p.rows - row);
+      kernels.fn[p.format][rows - 1][count - 1](p, row, panel);
+    }
+  }
+}
+
+// ---- The op ---------------------------------------------------------------------------------------------
+
+// How to compute: kAuto picks; the others are for tests and benchmarks (torch.ops.pagedkv._panel_linear_path).
+enum Path : int64_t { kAuto = 0, kTiled = 1, kRowsAvx2 = 2, kRowsAvx512 = 3 };
+
+// Up to this many rows the register kernels run (in groups of at most kRows, each decoding the weights
+// again). Measured on the default model's 121 linears (benchmarks/panel_linear.py, 1 thread, Zen 5): at
+// 8 rows they still take 0.4x (AVX-512) and 0.6x (AVX2) of the tiled path's time; at 16 rows AVX2 is even.
+constexpr int64_t kRegisterRows = 8;
+
 int64_t panel_bytes(int64_t format, int64_t k) {
   switch (format) {
     case kQ4: return (k / kGroup) * kQ4Record;
@@ -171,11 +505,13 @@ int64_t panel_bytes(int64_t format, int64_t k) {
   }
 }
 
-at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, int64_t format) {
+at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, int64_t format, int64_t path) {
   TORCH_CHECK(format == kF32 || format == kQ4 || format == kQ8, "panel_linear: unknown format ", format);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "panel_linear: x must be a 2-D float32 tensor");
   TORCH_CHECK(x.size(1) == k, "panel_linear: x has ", x.size(1), " columns but the weight has K = ", k);
   TORCH_CHECK(format == kF32 || k % kGroup == 0, "panel_linear: quantised K must be a multiple of 32, got ", k);
+  TORCH_CHECK(path >= kAuto && path <= kRowsAvx512, "panel_linear: unknown path ", path);
+  TORCH_CHECK(path != kRowsAvx512 || has_avx512(), "panel_linear: this CPU has no AVX-512F");
   const int64_t num_panels = (n + kPanel - 1) / kPanel, bytes = panel_bytes(format, k);
   TORCH_CHECK(packed.is_contiguous() && packed.nbytes() == static_cast<size_t>(num_panels * bytes),
               "panel_linear: packed weight has ", packed.nbytes(), " bytes, expected ", num_panels * bytes,
@@ -183,15 +519,30 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0 || n == 0) return y;
+  if (k == 0) return y.zero_();
   const Problem p{xc.data_ptr<float>(), static_cast<const uint8_t*>(packed.data_ptr()), y.data_ptr<float>(),
                   x.size(0), n, k, format, bytes};
+  if (path == kAuto) path = p.rows > kRegisterRows ? kTiled : has_avx512() ? kRowsAvx512 : kRowsAvx2;
+  const RowsKernels& kernels = path == kRowsAvx512 ? kAvx512Rows : kAvx2Rows;
   // Grain of 4 panels (64 outputs): the 576-output layers still split across threads.
-  at::parallel_for(0, num_panels, 4, [&](int64_t begin, int64_t end) { panels(p, begin, end); });
+  at::parallel_for(0, num_panels, 4, [&](int64_t begin, int64_t end) {
+    if (path == kTiled) {
+      panels(p, begin, end);
+    } else {
+      rows_panels(p, begin, end, kernels);
+    }
+  });
   return y;
+}
+
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, int64_t format) {
+  return run(x, packed, n, k, format, kAuto);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedkv, lib) {
   lib.def("panel_linear(Tensor x, Tensor packed, int n, int k, int format) -> Tensor", &panel_linear);
+  // Private: the same with the path forced (0 auto, 1 tiled, 2 AVX2 registers, 3 AVX-512 registers).
+  lib.def("_panel_linear_path(Tensor x, Tensor packed, int n, int k, int format, int path) -> Tensor", &run);
 }
