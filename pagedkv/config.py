@@ -70,6 +70,19 @@ class EngineConfig:
         "sum -- outputs bitwise equal to tensor_parallel_size=1, at two all-gathers per layer instead of one "
         "all-reduce",
     )
+    kv_cache_dir: str | None = _option(
+        None,
+        "directory that keeps the prefix cache's full blocks across restarts (content-addressed safetensors "
+        "files, keyed by the model's fingerprint); off by default",
+    )
+    kv_cache_disk_gb: float = _option(
+        4.0, "size limit of kv_cache_dir in GiB; the least recently used blocks are deleted beyond it"
+    )
+    kv_events_endpoint: str | None = _option(
+        None,
+        "ZMQ address to publish KV cache events on, in vLLM's format, for KV-aware routers (e.g. "
+        "tcp://127.0.0.1:5557 or ipc:///tmp/pagedkv-kv-events; needs pyzmq); off by default",
+    )
     dtype: str | None = _option(None, "deprecated: use weight_format ('q4' is now 'gguf')", deprecated=True)
     linear_backend: str | None = _option(None, "deprecated: use kernels (panel: True, torch: False)", deprecated=True)
 
@@ -101,6 +114,18 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be an int >= 1 (1 = off), got {self.tensor_parallel_size!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if not self.kv_cache_disk_gb > 0:
+            raise ValueError(f"kv_cache_disk_gb must be > 0, got {self.kv_cache_disk_gb}")
+        if self.kv_cache_dir is not None:
+            if not isinstance(self.kv_cache_dir, str) or not self.kv_cache_dir:
+                raise ValueError(f"kv_cache_dir must be a directory path (or None), got {self.kv_cache_dir!r}")
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_cache_dir keeps the prefix cache on disk: it needs enable_prefix_caching=True")
+            if self.tensor_parallel_size > 1:
+                raise ValueError(
+                    "kv_cache_dir does not support tensor_parallel_size > 1 yet (each rank holds a shard of every "
+                    "block): drop one of the two"
+                )
 
     def _map_deprecated(self) -> None:
         """``dtype`` -> ``weight_format``, ``linear_backend`` -> ``kernels``, with a DeprecationWarning each."""

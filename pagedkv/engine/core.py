@@ -23,6 +23,7 @@ from pagedkv.engine.counter_history import CounterHistory
 from pagedkv.engine.request import CoreOutput, Request
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from pagedkv.kv.events import KVEventPublisher
 from pagedkv.parallel.workers import TensorParallelFailure
 from pagedkv.sampler import Sampler, SamplerOutput
 
@@ -37,6 +38,7 @@ class EngineCore:
         self._vocab_size = runner.model.spec.vocab_size
         self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedkv-grammar")
         self.history = CounterHistory()  # the cache counters over time, for the KV map
+        self.kv_events: KVEventPublisher | None = None  # set by the engine when KV events are published
 
     def add(self, requests: Sequence[Request]) -> None:
         """Queue built requests (the n samples of one prompt together)."""
@@ -52,6 +54,18 @@ class EngineCore:
 
     def step(self) -> list[CoreOutput]:
         """Schedule, run the model, sample, advance: what happened to each scheduled request."""
+        try:
+            return self._step()
+        finally:
+            self.publish_kv_events()
+
+    def publish_kv_events(self) -> None:
+        """Send the KV events recorded since the last call as one batch (KV events on only)."""
+        recorder = self.scheduler.kv.events
+        if self.kv_events is not None and recorder is not None:
+            self.kv_events.publish(recorder.take())
+
+    def _step(self) -> list[CoreOutput]:
         step = self.scheduler.schedule()
         if not step.scheduled:
             return []

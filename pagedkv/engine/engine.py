@@ -15,7 +15,7 @@ import itertools
 import logging
 import operator
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -30,6 +30,9 @@ from pagedkv.engine.request import OutputKind, Request, RequestOutput
 from pagedkv.engine.runner import ModelRunner, kv_block_bytes
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.errors import InvalidParameter
+from pagedkv.kv.disk_fingerprint import engine_fingerprint
+from pagedkv.kv.disk_tier import DiskTier
+from pagedkv.kv.events import KVEventBatch, KVEventPublisher, KVEventRecorder
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.model.loader import default_model_path, load_model, model_directory
 from pagedkv.parallel import workers
@@ -75,8 +78,16 @@ class LLMEngine:
         if self.workers is not None:
             tp.broadcast(torch.tensor([num_blocks]), idle=True)  # each worker's pool: its KV heads, every block
         self.runner = ModelRunner(model, self.kv, tp, self.workers)
+        self.disk: DiskTier | None = None
+        if config.kv_cache_dir is not None:
+            self.disk = self._open_disk_tier(config)
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
         self.core = EngineCore(self.scheduler, self.runner, self.sampler)
+        self.core.kv_events = self.kv_events = KVEventPublisher(config.kv_events_endpoint)
+        if self.kv_events.endpoint is not None:
+            self.kv.record_events(KVEventRecorder(config.block_size))
+            weakref.finalize(self, self.kv_events.close)
+            logger.info("publishing KV events on %s", self.kv_events.endpoint)
         self.processor = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, sorted(self.eos_token_ids))
         self._ids = itertools.count()
@@ -89,6 +100,26 @@ class LLMEngine:
             self.attention.name,
             self.kernels,
         )
+
+    def _open_disk_tier(self, config: EngineConfig) -> DiskTier:
+        """The prefix cache's disk tier in ``config.kv_cache_dir``, attached to the pools and the KV manager."""
+        directory = Path(config.kv_cache_dir).expanduser()
+        fingerprint, covers = engine_fingerprint(
+            self.model_path,
+            directory / "models",
+            weight_format=config.weight_format,
+            kernels=self.kernels,
+            gemm=self.kernels and kernels.gemm.loaded,
+            attention=self.attention.name,
+            block_size=config.block_size,
+            kv_dtype=self.runner.kv_caches[0][0].dtype,
+        )
+        disk = DiskTier(directory, fingerprint, int(config.kv_cache_disk_gb * 2**30))
+        disk.attach(self.runner.kv_caches)
+        self.kv.disk = disk
+        weakref.finalize(self, disk.close)  # at exit too: the queued writes are finished
+        logger.info("kv_cache_dir %s: fingerprint %s over %s", directory, fingerprint[:16], covers)
+        return disk
 
     # -- requests -------------------------------------------------------------------------------------
 
@@ -215,13 +246,27 @@ class LLMEngine:
     # -- cache and counters ---------------------------------------------------------------------------
 
     def reset_prefix_cache(self) -> bool:
-        return self.kv.reset_prefix_cache()
+        """Forget the pool's cached blocks (not the disk tier's: delete kv_cache_dir's files for that)."""
+        done = self.kv.reset_prefix_cache()
+        self.core.publish_kv_events()  # AllBlocksCleared, now
+        return done
+
+    def subscribe_kv_events(self, callback: Callable[[KVEventBatch], None]) -> Callable[[], None]:
+        """Call ``callback(batch)`` with each step's KV cache events from now on (``pagedkv.kv.events``);
+        returns the function that unsubscribes. It runs on the engine's thread: keep it short."""
+        if self.kv.events is None:
+            self.kv.record_events(KVEventRecorder(self.config.block_size))
+        return self.kv_events.subscribe(callback)
 
     def stats(self) -> dict[str, float]:
         return self.core.stats()
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (also done when the engine is garbage-collected)."""
+        """Finish the disk tier's queued writes and stop the tensor-parallel workers, if any (also done when
+        the engine is garbage-collected, and at exit)."""
+        if self.disk is not None:
+            self.disk.close()
+        self.kv_events.close()
         if self.workers is not None:
             self.workers.close()
 

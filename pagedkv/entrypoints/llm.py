@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.engine.request import OutputKind, RequestOutput
+from pagedkv.kv.events import KVEventBatch
 from pagedkv.kv.snapshot import read_engine, snapshot_json
 from pagedkv.sampling import SamplingParams
 
@@ -111,6 +112,16 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Finish the disk tier's queued writes (kv_cache_dir) and stop tensor-parallel workers; also done when
+        the LLM is garbage-collected and at exit."""
+        self.engine.close()
+
+    def subscribe_kv_events(self, callback: Callable[[KVEventBatch], None]) -> Callable[[], None]:
+        """Call ``callback(batch)`` with each step's KV cache events, in vLLM's format (blocks stored, removed,
+        all cleared; ``pagedkv.kv.events``); returns the function that unsubscribes."""
+        return self.engine.subscribe_kv_events(callback)
 
     def kv_map(self) -> dict:
         """The KV map's data, as the server's ``GET /kv.json`` serves it: every block's state, the hottest

@@ -15,8 +15,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from pagedkv.kv.hashing import BlockKey
+
+if TYPE_CHECKING:
+    from pagedkv.kv.events import KVEventRecorder
 
 
 class BlockPool:
@@ -37,6 +41,7 @@ class BlockPool:
         # OrderedDict as the LRU queue: popitem(last=False) takes the oldest, `del` removes a hit in O(1).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.num_evictions = 0
+        self.events: KVEventRecorder | None = None  # records evictions and resets, for KV events
 
     @property
     def num_free_blocks(self) -> int:
@@ -87,6 +92,7 @@ class BlockPool:
         if count > len(self._free):
             raise RuntimeError(f"asked for {count} blocks with only {len(self._free)} free")
         taken: list[int] = []
+        evicted: list[BlockKey] = []
         for _ in range(count):
             block_id, _ = self._free.popitem(last=False)
             key = self._block_key[block_id]
@@ -97,8 +103,11 @@ class BlockPool:
                 self._hits[block_id] = 0
                 self._remember_eviction(key)
                 self.num_evictions += 1
+                evicted.append(key)
             self._ref_cnt[block_id] = 1
             taken.append(block_id)
+        if self.events is not None:
+            self.events.removed(evicted)
         return taken
 
     def touch(self, block_ids: Iterable[int]) -> None:
@@ -156,4 +165,6 @@ class BlockPool:
         self._parent_key = [None] * self.num_blocks
         self._hits = [0] * self.num_blocks
         self._evicted.clear()  # a reset starts over: what follows is "new", as in a fresh engine
+        if self.events is not None:
+            self.events.cleared()
         return True

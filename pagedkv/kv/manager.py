@@ -6,16 +6,26 @@ Caching is the manager's own business: whenever a request allocates or frees, it
 computed tokens are registered under their keys first -- computed means verified, so a block holding a
 speculative draft's K/V is never cached. Block keys come from the request (`pagedkv.kv.hashing`); this
 class never hashes tokens itself, so each block is keyed once and the keys are reused every step.
+
+With a disk tier (``LLM(kv_cache_dir=...)``, ``pagedkv.kv.disk_tier``), every block the manager caches is
+also queued for disk, and ``load_from_disk`` brings a prompt's leading blocks found there into the pool as
+cached free blocks -- from then on they are ordinary memory hits for the lookup, the counters and the cache
+report.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedkv.kv import cache_report
 from pagedkv.kv.block_pool import BlockPool
 from pagedkv.kv.hashing import BlockKey
+
+if TYPE_CHECKING:
+    from pagedkv.kv.disk_tier import DiskTier
+    from pagedkv.kv.events import KVEventRecorder
 
 
 @dataclass(slots=True)
@@ -46,6 +56,64 @@ class KVCacheManager:
         self._num_keyed: dict[str, int] = {}
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        self.disk: DiskTier | None = None  # set by the engine with kv_cache_dir
+        self.events: KVEventRecorder | None = None  # set by the engine while KV events are published
+
+    def record_events(self, recorder: KVEventRecorder | None) -> None:
+        """Record blocks stored, evicted and cleared into ``recorder`` (None: stop recording)."""
+        self.events = self.pool.events = recorder
+
+    def _stored(self, block_keys: Sequence[BlockKey], indices: list[int], token_ids: Sequence[int]) -> None:
+        """One BlockStored event per run of consecutive newly cached blocks (``indices``, ascending)."""
+        if self.events is None:
+            return
+        size = self.block_size
+        first = 0
+        for j in range(1, len(indices) + 1):
+            if j == len(indices) or indices[j] != indices[j - 1] + 1:
+                a, b = indices[first], indices[j - 1] + 1
+                self.events.stored(block_keys[a:b], block_keys[a - 1] if a else None, token_ids[a * size : b * size])
+                first = j
+
+    def load_from_disk(
+        self, block_keys: Sequence[BlockKey], num_prompt_tokens: int, token_ids: Sequence[int] = ()
+    ) -> int:
+        """Bring the prompt's leading blocks that are on disk but not in the pool into the pool; how many.
+
+        Walks the blocks ``find_cached_prefix`` may reuse, in order, through those in memory, until one is in
+        neither tier. Those on disk are read into free blocks and cached there, free (ref count 0) at the
+        tail of the free queue, tail first like a finished request's; the walk's memory blocks are held
+        meanwhile, so taking blocks for the loads never evicts them. Stops at the first load that fails, and
+        where free blocks run out: a later block is no use without the ones before it.
+        """
+        disk = self.disk
+        if disk is None or not self.enable_prefix_caching:
+            return 0
+        max_blocks = min(len(block_keys), max(num_prompt_tokens - 1, 0) // self.block_size)
+        chain: list[int | None] = []  # per leading block: its block id if in memory, None if on disk
+        for key in block_keys[:max_blocks]:
+            block_id = self.pool.lookup(key)
+            if block_id is None and not disk.contains(key):
+                break
+            chain.append(block_id)
+        if None not in chain:
+            return 0
+        held = [b for b in chain if b is not None]
+        self.pool.touch(held)
+        missing = [i for i, b in enumerate(chain) if b is None]
+        count = min(len(missing), self.pool.num_free_blocks)
+        fresh = self.pool.take_new(count)
+        loaded: list[int] = []
+        for i, block_id in zip(missing, fresh):
+            if not disk.load(block_keys[i], block_id):
+                break
+            self.pool.cache(block_id, block_keys[i], block_keys[i - 1] if i else None)
+            chain[i] = block_id
+            loaded.append(block_id)
+        self.pool.release(fresh[len(loaded) :])  # taken for a load that failed or was not reached: keyless
+        self.pool.release(reversed([b for b in chain if b is not None]))
+        self._stored(block_keys, missing[: len(loaded)], token_ids)
+        return len(loaded)
 
     def find_cached_prefix(self, block_keys: Sequence[BlockKey], num_prompt_tokens: int) -> PrefixHit:
         """Longest run of leading blocks whose keys are cached; changes nothing and counts nothing.
@@ -82,16 +150,18 @@ class KVCacheManager:
         prefix: PrefixHit | None = None,
         block_keys: Sequence[BlockKey] = (),
         num_computed_tokens: int = 0,
+        token_ids: Sequence[int] = (),
     ) -> bool:
         """Make the request's block table cover positions [0, num_tokens); False changes no allocation.
 
         `prefix` (from `find_cached_prefix`, same step) is only accepted on the request's first call; its
         blocks become the head of the table before any new block is taken. First, the request's blocks full
-        of its `num_computed_tokens` are cached under `block_keys` (whether or not the allocation succeeds).
+        of its `num_computed_tokens` are cached under `block_keys` (whether or not the allocation succeeds);
+        `token_ids` (the request's tokens) are only read for KV events.
         """
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        self._cache_computed(request_id, block_keys, num_computed_tokens)
+        self._cache_computed(request_id, block_keys, num_computed_tokens, token_ids)
         is_new = request_id not in self._tables
         if prefix is not None:
             self._check_prefix(request_id, is_new, num_tokens, prefix)
@@ -104,6 +174,8 @@ class KVCacheManager:
         if prefix is not None:
             self.pool.touch(prefix.block_ids)
             self.pool.record_hits(prefix.block_ids)
+            if self.disk is not None:
+                self.disk.touch(prefix.block_keys)
             table.extend(prefix.block_ids)
             num_new -= len(prefix.block_ids)
             self._num_keyed[request_id] = len(prefix.block_ids)
@@ -123,7 +195,13 @@ class KVCacheManager:
         ):
             raise ValueError("stale PrefixHit: call find_cached_prefix() again right before allocate()")
 
-    def cache_full_blocks(self, request_id: str, block_keys: Sequence[BlockKey], num_full_blocks: int) -> None:
+    def cache_full_blocks(
+        self,
+        request_id: str,
+        block_keys: Sequence[BlockKey],
+        num_full_blocks: int,
+        token_ids: Sequence[int] = (),
+    ) -> None:
         """Register the keys of the request's blocks [0, num_full_blocks) not registered yet.
 
         Call it only for blocks whose K/V has been written. If another block already holds the same key
@@ -141,21 +219,36 @@ class KVCacheManager:
                 f"or its {len(block_keys)} block keys"
             )
         start = self._num_keyed[request_id]
+        disk, pool = self.disk, self.pool
+        stored: list[int] = []
         for i in range(start, num_full_blocks):
-            self.pool.cache(table[i], block_keys[i], block_keys[i - 1] if i else None)
+            parent = block_keys[i - 1] if i else None
+            if pool.lookup(block_keys[i]) is None and pool.cache(table[i], block_keys[i], parent):
+                stored.append(i)
+                if disk is not None:
+                    disk.store(block_keys[i], parent, table[i])
         self._num_keyed[request_id] = max(start, num_full_blocks)
+        self._stored(block_keys, stored, token_ids)
 
-    def _cache_computed(self, request_id: str, block_keys: Sequence[BlockKey], num_computed_tokens: int) -> None:
+    def _cache_computed(
+        self, request_id: str, block_keys: Sequence[BlockKey], num_computed_tokens: int, token_ids: Sequence[int]
+    ) -> None:
         table = self._tables.get(request_id)
         if table and block_keys:
             num_full = min(num_computed_tokens // self.block_size, len(table), len(block_keys))
             if num_full > self._num_keyed[request_id]:
-                self.cache_full_blocks(request_id, block_keys, num_full)
+                self.cache_full_blocks(request_id, block_keys, num_full, token_ids)
 
-    def free(self, request_id: str, block_keys: Sequence[BlockKey] = (), num_computed_tokens: int = 0) -> None:
+    def free(
+        self,
+        request_id: str,
+        block_keys: Sequence[BlockKey] = (),
+        num_computed_tokens: int = 0,
+        token_ids: Sequence[int] = (),
+    ) -> None:
         """Release the request's blocks, last block first, so its tail is evicted before its shared head;
         its blocks full of computed tokens are cached under `block_keys` first, for later hits."""
-        self._cache_computed(request_id, block_keys, num_computed_tokens)
+        self._cache_computed(request_id, block_keys, num_computed_tokens, token_ids)
         table = self._tables.pop(request_id, None)
         self._num_keyed.pop(request_id, None)
         if table:
@@ -204,4 +297,5 @@ class KVCacheManager:
             "kv_blocks_free": self.num_free_blocks,
             "kv_blocks_used": self.num_used_blocks,
             "kv_blocks_cached": self.pool.num_cached_blocks(),  # keyed blocks, held or free
+            **(self.disk.stats() if self.disk is not None else {}),
         }
