@@ -84,13 +84,6 @@ class ModelRunner:
                 raise
             raise self.workers.failure(exc) from exc  # a rank died, or hangs past the step timeout
         return StepResult(logits, sampled, prompt_logprobs)
-        self.workers.check()
-        try:
-            wire.send_step(self.tp, inputs)
-            logits, prompt_logprobs = self.run(inputs)
-        except RuntimeError as exc:  # a collective failed: a rank died, or hangs past the step timeout
-            raise self.workers.failure(exc) from exc
-        return StepResult(logits, sampled, prompt_logprobs)
 
     def prepare(self, step: SchedulerOutput) -> tuple[StepInputs, list[tuple[int, int]]]:
         """The step's flat inputs, and ``(index in step.scheduled, rows)`` of each request sampled."""
