@@ -2,6 +2,7 @@
 
     python benchmarks/serving.py [--concurrency 1 4 32] [--requests N] [--max-new-tokens N] [--rounds 2]
                                  [--parallel 1 4 32] [--quick] [--json] [--skip-llama] [--llama-server PATH]
+                                 [--wait-quiet CORES]
 
 The chat requests of `workloads/chat_shared_prefix.json` (one long system prompt, a different question
 each) go through the OpenAI-compatible chat endpoint of each server, streamed, greedy, with the workload's
@@ -21,6 +22,11 @@ made, in alternating order, and the round with the most output tokens/s is repor
 JSON). Numbers: output tokens/s (all completion tokens over the wall time of the run), TTFT p50 / p99 (send
 to first content token), TPOT (per request, first to last content token over completion tokens - 1, the
 mean over requests), and the share of prompt tokens served from each server's cache (its own usage report).
+
+On a shared machine: every round records `outside_cores`, the CPU that other processes used while it ran
+(from /proc/stat, less the server's and this client's), and `--wait-quiet CORES` waits (up to
+`--wait-quiet-max-s`) before each timed run until others use less than that. llama.cpp's threads spin-wait
+on each other, so llama-server slows down many times over when anything else runs on a 2-core machine.
 """
 
 from __future__ import annotations
