@@ -44,7 +44,7 @@ def run(runner: ModelRunner, scheduled: list[ScheduledRequest]) -> dict[str, tor
     """One step; each request's logits rows, found through the ``sampled`` list the runner returns."""
     for s in scheduled:
         assert runner.kv.allocate(s.request.request_id, s.request.num_computed_tokens + s.num_new_tokens)
-    result = runner.execute(SchedulerOutput(scheduled, 0))
+    result = runner.execute(SchedulerOutput(scheduled))
     rows = result.logits.split([n for _, n in result.sampled])
     return {scheduled[i].request.request_id: r for (i, _), r in zip(result.sampled, rows, strict=True)}
 

@@ -50,7 +50,7 @@ class EngineCore:
         self.scheduler.finish_requests(list(request_ids), reason, stop_reason)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return bool(self.scheduler.requests)  # every unfinished request, waiting or running
 
     def step(self) -> list[CoreOutput]:
         """Schedule, run the model, sample, advance: what happened to each scheduled request."""

@@ -53,11 +53,6 @@ class ScheduledRequest:
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]  # in scheduling order, which is also the order of the step's rows
-    num_preempted: int
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_scheduled_tokens for s in self.scheduled)
 
 
 class Scheduler:
@@ -92,10 +87,6 @@ class Scheduler:
             0,
         )
 
-    @property
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -124,7 +115,7 @@ class Scheduler:
                 i += 1
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
-        return SchedulerOutput(scheduled, preempted)
+        return SchedulerOutput(scheduled)
 
     def _allocate(self, request: Request, num_tokens: int, prefix: PrefixHit | None = None) -> bool:
         """Blocks for ``num_tokens``; the KV manager first caches the blocks full of computed tokens."""
