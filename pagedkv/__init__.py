@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
@@ -14,22 +15,16 @@ if TYPE_CHECKING:
     from pagedkv.sampling import SamplingParams
 
 
+# Imported lazily so that `import pagedkv.kv.ops` does not pull in transformers: name -> its module.
+_LAZY = {
+    "LLM": "pagedkv.entrypoints.llm",
+    "SamplingParams": "pagedkv.sampling",
+    "RequestOutput": "pagedkv.engine.request",
+    "EngineConfig": "pagedkv.config",
+}
+
+
 def __getattr__(name: str):
-    # Imported lazily so that `import pagedkv.kv.ops` does not pull in transformers.
-    if name == "LLM":
-        from pagedkv.entrypoints.llm import LLM
-
-        return LLM
-    if name == "SamplingParams":
-        from pagedkv.sampling import SamplingParams
-
-        return SamplingParams
-    if name == "RequestOutput":
-        from pagedkv.engine.request import RequestOutput
-
-        return RequestOutput
-    if name == "EngineConfig":
-        from pagedkv.config import EngineConfig
-
-        return EngineConfig
-    raise AttributeError(f"module 'pagedkv' has no attribute {name!r}")
+    if name not in _LAZY:
+        raise AttributeError(f"module 'pagedkv' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)

@@ -132,8 +132,7 @@ class EngineThread:
                 orphans = list(self._commands)
                 self._commands.clear()
             for command in orphans:
-                if isinstance(command, (AddCommand, InspectCommand)):
-                    self._post(_settle, command.future, EngineStopped("the engine is not running"))
+                self.submit(command)  # refused now that the thread is dead: its future gets EngineStopped
             self._post(self._on_death, EngineStopped(f"the engine thread died ({type(exc).__name__})"))
 
     def _serve(self) -> None:

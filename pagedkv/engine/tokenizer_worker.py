@@ -62,8 +62,19 @@ class TokenizerWorker:
     ) -> list[list[Request]]:
         """Tokenize, validate and build every prompt's requests and register their output state, all or
         none; the requests of each prompt. ValueError (a 400) if one cannot be."""
-        job = self._pool.submit(self._prepare, group_ids, prompts, params, cache_salt, output_kind)
-        return await asyncio.wrap_future(job)
+
+        def build() -> list[list[Request]]:  # on the worker
+            requests, groups = [], []
+            for group_id, prompt in zip(group_ids, prompts, strict=True):
+                built = self._engine.make_requests(group_id, self._tokenize(prompt), params, cache_salt)
+                ids, prompt_ids = [r.request_id for r in built], built[0].prompt_token_ids
+                groups.append(self.processor.make_group(group_id, ids, prompt.prompt, prompt_ids, params, output_kind))
+                requests.append(built)
+            for group in groups:
+                self.processor.add(group)
+            return requests
+
+        return await asyncio.wrap_future(self._pool.submit(build))
 
     def process(self, outputs: list[CoreOutput], done: Callable[[list[RequestOutput], list[Stop]], None]) -> None:
         """Detokenize one step's outputs on the worker (in step order), then call ``done`` there."""
@@ -93,25 +104,6 @@ class TokenizerWorker:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-    def _prepare(
-        self,
-        group_ids: list[str],
-        prompts: list[EnginePrompt],
-        params: SamplingParams,
-        cache_salt: str | None,
-        output_kind: OutputKind,
-    ) -> list[list[Request]]:
-        requests, groups = [], []
-        for group_id, prompt in zip(group_ids, prompts, strict=True):
-            token_ids = self._tokenize(prompt)
-            built = self._engine.make_requests(group_id, token_ids, params, cache_salt)
-            ids, prompt_ids = [r.request_id for r in built], built[0].prompt_token_ids
-            groups.append(self.processor.make_group(group_id, ids, prompt.prompt, prompt_ids, params, output_kind))
-            requests.append(built)
-        for group in groups:
-            self.processor.add(group)
-        return requests
 
     def _process(self, outputs: list[CoreOutput], done: Callable[[list[RequestOutput], list[Stop]], None]) -> None:
         try:

@@ -133,9 +133,8 @@ class KVEventRecorder:
 class KVEventPublisher:
     """Sends each step's events, as one batch, to the subscribers and the ZMQ socket (if any)."""
 
-    def __init__(self, endpoint: str | None = None, topic: str = "") -> None:
+    def __init__(self, endpoint: str | None = None) -> None:
         self._subscribers: list[Callable[[KVEventBatch], None]] = []
-        self._topic = topic.encode()
         self._seq = 0
         self._socket = None
         self.endpoint = endpoint
@@ -144,17 +143,12 @@ class KVEventPublisher:
                 import zmq
             except ImportError as exc:
                 raise ImportError("kv_events_endpoint needs pyzmq: pip install 'pagedkv[events]'") from exc
-            self._context = zmq.Context.instance()
-            self._socket = self._context.socket(zmq.PUB)
+            self._socket = zmq.Context.instance().socket(zmq.PUB)
             self._socket.setsockopt(zmq.LINGER, 0)
             self._socket.bind(endpoint)
             self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)  # the port, if "tcp://...:0"
             self._noblock = zmq.NOBLOCK
             self._again = zmq.Again
-
-    @property
-    def active(self) -> bool:
-        return bool(self._subscribers) or self._socket is not None
 
     def subscribe(self, callback: Callable[[KVEventBatch], None]) -> Callable[[], None]:
         """Call ``callback(batch)`` on the engine thread after every step that changed the cache; returns
@@ -174,7 +168,7 @@ class KVEventPublisher:
         if self._socket is not None:
             payload = packb(as_wire(batch))
             try:
-                self._socket.send_multipart([self._topic, struct.pack(">q", self._seq), payload], flags=self._noblock)
+                self._socket.send_multipart([b"", struct.pack(">q", self._seq), payload], flags=self._noblock)
             except self._again:
                 logger.debug("KV event batch %d dropped: no room in the socket's queue", self._seq)
             self._seq += 1
