@@ -32,11 +32,11 @@ class CounterHistory:
         self._samples: deque[dict[str, float]] = deque(maxlen=capacity)
         self._last = float("-inf")
 
-    def offer(self, stats: Callable[[], dict[str, float]], force: bool = False) -> None:
-        """Record ``stats()`` if ``interval_s`` passed since the last sample (or ``force``); ``stats`` is
-        called only then, so a step between samples costs a clock read."""
+    def offer(self, stats: Callable[[], dict[str, float]]) -> None:
+        """Record ``stats()`` if ``interval_s`` passed since the last sample; ``stats`` is called only then,
+        so a step between samples costs a clock read."""
         now = self._clock()
-        if not force and now - self._last < self.interval_s:
+        if now - self._last < self.interval_s:
             return
         self._last = now
         self._samples.append(_sample(now, stats()))

@@ -81,8 +81,7 @@ class LLMEngine:
         self.disk: DiskTier | None = None
         if config.kv_cache_dir is not None:
             self.disk = self._open_disk_tier(config)
-        self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
-        self.core = EngineCore(self.scheduler, self.runner, self.sampler)
+        self.core = EngineCore(self.scheduler, self.runner, Sampler(eos_token_ids=self.eos_token_ids))
         self.core.kv_events = self.kv_events = KVEventPublisher(config.kv_events_endpoint)
         if self.kv_events.endpoint is not None:
             self.kv.record_events(KVEventRecorder(config.block_size))

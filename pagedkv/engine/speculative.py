@@ -17,7 +17,6 @@ from __future__ import annotations
 import numpy as np
 
 from pagedkv.engine.request import Request
-from pagedkv.sampling import SAMPLING_EPS
 
 MAX_NGRAM = 4  # longest history suffix looked up
 MIN_NGRAM = 2  # a single repeated token ("the", ",") predicts too little to pay for its rows
@@ -31,12 +30,7 @@ def can_speculate(request: Request) -> bool:
     must be reported for it; those requests decode one token a step.
     """
     p = request.params
-    return (
-        p.temperature < SAMPLING_EPS
-        and p.logprobs is None
-        and not p.has_penalties
-        and p.min_tokens <= request.num_output_tokens
-    )
+    return p.greedy and p.logprobs is None and not p.has_penalties and p.min_tokens <= request.num_output_tokens
 
 
 def propose(token_ids: list[int], num_tokens: int) -> list[int]:

@@ -114,8 +114,6 @@ class _SamplingRequest(BaseModel):
                 raise APIError(
                     400, f"{name} is not supported by this server: remove it", param=name, code="unsupported_parameter"
                 )
-        if self.cache_salt is not None and not self.cache_salt:
-            raise APIError(400, "cache_salt must be a non-empty string (or left out)", param="cache_salt")
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The SamplingParams arguments the client set; unset ones keep SamplingParams' defaults."""

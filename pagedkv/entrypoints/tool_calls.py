@@ -47,12 +47,7 @@ class Function:
 
     def call_schema(self) -> dict[str, Any]:
         """One call of this function: its name, and arguments valid under its parameter schema."""
-        return {
-            "type": "object",
-            "properties": {"name": {"const": self.name}, "arguments": self.parameters},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
+        return _object({"name": {"const": self.name}, "arguments": self.parameters})
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,9 +92,8 @@ class ToolPlan:
 
     def system_instructions(self) -> str | None:
         """For the generic format: the tools and the answer format, to put in the system message."""
-        return None if self.native else self._generic_instructions()
-
-    def _generic_instructions(self) -> str:
+        if self.native:
+            return None
         tools = json.dumps([f.as_tool() for f in self.offered], ensure_ascii=False)
         call = '{"tool_calls": [{"name": <function name>, "arguments": <arguments object>}]}'
         if self.choice == "auto":
@@ -160,10 +154,6 @@ def template_supports_tools(tokenizer: Any) -> bool:
     if isinstance(template, dict):
         template = template.get("tool_use") or template.get("default")
     return isinstance(template, str) and re.search(r"\btools\b", template) is not None
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _function(tool: Any, index: int) -> Function:
@@ -259,7 +249,7 @@ def _call(value: Any) -> ToolCall | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
-    return ToolCall(new_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
+    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
 def _object(properties: dict[str, Any]) -> dict[str, Any]:
