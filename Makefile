@@ -59,6 +59,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/gather.py
 	$(BIN)/python benchmarks/attention.py
 	$(BIN)/python benchmarks/throughput.py
+	$(BIN)/python benchmarks/serving.py --speculative 4
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -2,7 +2,7 @@
 
     python benchmarks/serving.py [--concurrency 1 4 32] [--requests N] [--max-new-tokens N] [--rounds 2]
                                  [--parallel 1 4 32] [--quick] [--json] [--skip-llama] [--llama-server PATH]
-                                 [--wait-quiet CORES]
+                                 [--wait-quiet CORES] [--speculative K] [--kv-tokens N]
 
 The chat requests of `workloads/chat_shared_prefix.json` (one long system prompt, a different question
 each) go through the OpenAI-compatible chat endpoint of each server, streamed, greedy, with the workload's
@@ -21,7 +21,13 @@ system prompt (so both start with the system prompt cached and nothing else); `-
 made, in alternating order, and the round with the most output tokens/s is reported (all rounds are in the
 JSON). Numbers: output tokens/s (all completion tokens over the wall time of the run), TTFT p50 / p99 (send
 to first content token), TPOT (per request, first to last content token over completion tokens - 1, the
-mean over requests), and the share of prompt tokens served from each server's cache (its own usage report).
+mean over requests), the share of prompt tokens served from each server's cache (its own usage report), and
+each server process's peak resident memory (VmHWM, read from /proc after the run).
+
+One request at a time (the single-stream table): `--concurrency 1 --parallel 1 --speculative 4` adds pagedkv's
+gguf server with prompt-lookup speculation (4 draft tokens). Both servers get the same KV capacity in tokens
+(`--kv-tokens`, default 16,384: llama-server's `--ctx-size`, pagedkv's pool of as many tokens), which costs
+pagedkv twice llama-server's bytes (fp32 K/V against f16) -- counted in its peak RSS as it is.
 
 On a shared machine: every round records `outside_cores`, the CPU that other processes used while it ran
 (from /proc/stat, less the server's and this client's), and `--wait-quiet CORES` waits (up to
@@ -56,7 +62,12 @@ from common import format_table, write_json  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_NAME = "smol"
 PAGEDKV_CONFIGS = {"pagedkv fp32": "float32", "pagedkv gguf (exact)": "gguf"}
-LLAMA_CONTEXT = 16384  # tokens of KV, unified over the slots: 32 requests of ~250 prompt + 64 new tokens fit
+SPECULATIVE = "pagedkv gguf + speculation"  # the gguf server with --num-speculative-tokens (--speculative K)
+RATIO_KEYS = {"pagedkv fp32": "fp32", "pagedkv gguf (exact)": "gguf", SPECULATIVE: "gguf_spec"}
+KV_TOKENS = 16384  # tokens of KV, unified over the slots: 32 requests of ~250 prompt + 64 new tokens fit
+# The default model's KV bytes per token in pagedkv's pool: K and V, 30 layers, 3 KV heads of 64, fp32.
+# (llama-server keeps f16 K/V: half of it. Both servers get the same capacity in tokens, --kv-tokens.)
+PAGEDKV_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
 WARMUP_QUESTION = "Hello, who are you?"  # not one of the workload's questions
 
 
@@ -80,6 +91,7 @@ class Run:
     parallel: int | None = None
     outside_cores: float | None = None
     client_cores: float | None = None
+    peak_rss_mb: float | None = None  # the server process's high-water mark (VmHWM) after the run
     summary: dict = field(default_factory=dict)
 
     def summarize(self) -> dict:
@@ -105,8 +117,20 @@ class Run:
             "prompt_cached_share": round(sum(cached) / sum(prompt), 3) if known else None,
             "outside_cores": None if self.outside_cores is None else round(self.outside_cores, 2),
             "client_cores": None if self.client_cores is None else round(self.client_cores, 2),
+            "peak_rss_mb": None if self.peak_rss_mb is None else round(self.peak_rss_mb),
         }
         return self.summary
+
+
+def peak_rss_mb(pid: int) -> float | None:
+    """A process's peak resident memory so far (VmHWM), in MiB; None where /proc does not say."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -260,7 +284,8 @@ def running(name: str, command: list[str], port: int, log_dir: Path, start_timeo
         server.stop()
 
 
-def pagedkv_command(weight_format: str, port: int, threads: int) -> list[str]:
+def pagedkv_command(weight_format: str, port: int, threads: int, kv_tokens: int, speculative: int = 0) -> list[str]:
+    kv_gb = kv_tokens * PAGEDKV_KV_BYTES_PER_TOKEN / 2**30
     return [
         sys.executable,
         "-m",
@@ -276,10 +301,14 @@ def pagedkv_command(weight_format: str, port: int, threads: int) -> list[str]:
         str(threads),
         "--weight-format",
         weight_format,
+        "--kv-cache-memory-gb",
+        f"{kv_gb:.4f}",
+        "--num-speculative-tokens",
+        str(speculative),
     ]
 
 
-def llama_command(binary: str, model: str, parallel: int, port: int, threads: int) -> list[str]:
+def llama_command(binary: str, model: str, parallel: int, port: int, threads: int, kv_tokens: int) -> list[str]:
     return [
         binary,
         "--model",
@@ -297,7 +326,7 @@ def llama_command(binary: str, model: str, parallel: int, port: int, threads: in
         "--parallel",
         str(parallel),
         "--ctx-size",
-        str(LLAMA_CONTEXT),
+        str(kv_tokens),
         "--kv-unified",
         "--cont-batching",
         "--cache-prompt",
@@ -420,7 +449,7 @@ def report(runs: list[Run], concurrencies: list[int]) -> tuple[list[dict], dict]
     best = best_rounds(runs)
     rows, summary = [], {}
     for c in concurrencies:
-        pagedkv = [best[(name, c)] for name in PAGEDKV_CONFIGS if (name, c) in best]
+        pagedkv = [best[(name, c)] for name in RATIO_KEYS if (name, c) in best]
         llamas = [run for (name, cc), run in best.items() if cc == c and name.startswith("llama-server")]
         llama = max(llamas, key=lambda r: r.summary["output_tok_s"]) if llamas else None
         rows += [r.summary for r in pagedkv] + ([llama.summary] if llama else [])
@@ -429,9 +458,11 @@ def report(runs: list[Run], concurrencies: list[int]) -> tuple[list[dict], dict]
             entry["llama_best_parallel"] = llama.parallel
             entry["llama_tok_s_by_parallel"] = {r.parallel: r.summary["output_tok_s"] for r in llamas}
             for run in pagedkv:
-                key = "fp32" if "fp32" in run.engine else "gguf"
+                key = RATIO_KEYS[run.engine]
                 entry[f"{key}_vs_llama_tok_s"] = round(run.summary["output_tok_s"] / llama.summary["output_tok_s"], 2)
                 entry[f"{key}_ttft_p50_vs_llama"] = round(run.summary["ttft_p50_ms"] / llama.summary["ttft_p50_ms"], 2)
+                if run.peak_rss_mb and llama.peak_rss_mb:
+                    entry[f"{key}_peak_rss_vs_llama"] = round(run.peak_rss_mb / llama.peak_rss_mb, 2)
         texts = {run.engine: [r.text for r in run.requests] for run in pagedkv + ([llama] if llama else [])}
         reference = texts.pop("pagedkv fp32", None)
         if reference is not None and texts:
@@ -452,6 +483,7 @@ HEADERS = [
     "ttft_p99_ms",
     "tpot_ms",
     "prompt_cached_share",
+    "peak_rss_mb",
     "wall_s",
 ]
 
@@ -474,6 +506,19 @@ def main() -> int:
     parser.add_argument("--skip-llama", action="store_true", help="run only pagedkv")
     parser.add_argument("--skip-gguf", action="store_true", help="skip pagedkv's --weight-format gguf server")
     parser.add_argument("--skip-pagedkv", action="store_true", help="run only llama-server")
+    parser.add_argument(
+        "--speculative",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also run pagedkv gguf with prompt-lookup speculation of K tokens (--num-speculative-tokens K)",
+    )
+    parser.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=KV_TOKENS,
+        help="KV capacity of each server in tokens (llama-server --ctx-size; pagedkv's pool of as many tokens)",
+    )
     parser.add_argument("--llama-server", default=None, help="the llama-server binary (default: see above)")
     parser.add_argument("--threads", type=int, default=2, help="threads of each server")
     parser.add_argument("--workload", type=Path, default=ROOT / "workloads" / "chat_shared_prefix.json")
@@ -520,13 +565,20 @@ def main() -> int:
         print(note, file=log, flush=True)
 
     configs: list[tuple[str, int | None, Callable[[int], list[str]]]] = [
-        (name, None, lambda port, fmt=fmt: pagedkv_command(fmt, port, args.threads))
+        (name, None, lambda port, fmt=fmt: pagedkv_command(fmt, port, args.threads, args.kv_tokens))
         for name, fmt in PAGEDKV_CONFIGS.items()
         if not args.skip_pagedkv and not (args.skip_gguf and fmt == "gguf")
     ]
+    if args.speculative and not args.skip_pagedkv:
+        k = args.speculative
+        configs.append((SPECULATIVE, None, lambda port: pagedkv_command("gguf", port, args.threads, args.kv_tokens, k)))
     if llama_binary:
         configs += [
-            (f"llama-server -np {p}", p, lambda port, p=p: llama_command(llama_binary, model, p, port, args.threads))
+            (
+                f"llama-server -np {p}",
+                p,
+                lambda port, p=p: llama_command(llama_binary, model, p, port, args.threads, args.kv_tokens),
+            )
             for p in parallels
         ]
     runs: list[Run] = []
@@ -546,6 +598,7 @@ def main() -> int:
                         timed = drive(server.url, conversations, max_new_tokens, c, args.request_timeout_s)
                         wall, results = asyncio.run(timed)
                         run = Run(name, c, round_index + 1, wall, results, parallel, *outside.cores())
+                        run.peak_rss_mb = peak_rss_mb(server.proc.pid)
                     run.summarize()
                     runs.append(run)
                     s = run.summary
@@ -559,7 +612,10 @@ def main() -> int:
     rows, summary = report(runs, concurrencies)
     table = [[row[h] if row[h] is not None else "-" for h in HEADERS] for row in rows]
     outside = sorted(r.outside_cores for r in runs if r.outside_cores is not None)
-    machine = f"{cpu_name()}, {os.cpu_count()} CPUs; {args.threads} threads per server"
+    machine = (
+        f"{cpu_name()}, {os.cpu_count()} CPUs; {args.threads} threads per server; KV capacity {args.kv_tokens} tokens"
+        + (f"; speculation k={args.speculative}" if args.speculative else "")
+    )
     if outside:
         machine += (
             f"; outside load during the runs {outside[0]:.2f}-{outside[-1]:.2f} cores "
@@ -584,6 +640,8 @@ def main() -> int:
         "concurrency": concurrencies,
         "rounds": rounds,
         "threads": args.threads,
+        "kv_tokens": args.kv_tokens,
+        "speculative": args.speculative,
         "machine": machine,
         "cpu": cpu_name(),
         "llama_server": {"binary": llama_binary, "version": llama_version, "parallel_tried": parallels}

@@ -14,7 +14,7 @@ from pagedkv.config import EngineConfig
 from pagedkv.entrypoints.limits import ServerLimits
 from pagedkv.entrypoints.replica_options import add_replica_arguments, replicas_requested
 
-BENCHMARKS = ("gather", "attention", "panel_linear", "throughput")
+BENCHMARKS = ("gather", "attention", "panel_linear", "throughput", "serving")
 
 
 # Earlier, shorter spellings of some options; they stay as aliases of the generated ones.
