@@ -197,6 +197,13 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     return torch.ops.pagedkv.rms_norm(x, weight, eps, residual)
 
 
+def write_kv(k_pool: Tensor, v_pool: Tensor, slot_mapping: Tensor, k: Tensor, v: Tensor) -> None:
+    """``k, v [T, Hkv, D]`` into both pools at ``slot_mapping [T]`` (int64; -1 skips a row), in one call: what
+    :func:`pagedkv.kv.ops.write_kv` does with an ``index_copy_`` per pool, for the kernel backend's decode steps."""
+    portable.require("use the gather backend")
+    torch.ops.pagedkv.write_kv(k_pool, v_pool, slot_mapping, k, v)
+
+
 def silu_mul(gate_up: Tensor) -> Tensor:
     """``silu(gate) * up`` for a contiguous fp32 ``gate_up [T, 2I]`` (gate first); returns ``[T, I]``."""
     portable.require("use kernels=False")

@@ -203,9 +203,11 @@ def test_neighbours_and_order_do_not_change_a_bit(built):
 
 @needs_kernel
 def test_thread_count_does_not_change_a_bit(built):
-    """One thread or two: on a mixed step and on one long decode (its partitions shared out), both big enough
-    that two threads run, and on a small step, which stays on the calling thread."""
-    for seq_lens, query_lens in [(MIXED_STEP["seq_lens"], MIXED_STEP["query_lens"]), ([4000], [1]), ([300], [9])]:
+    """One thread or two: on a mixed step, on one long decode (its partitions shared out) and on one short
+    decode (its KV heads shared out), all big enough that two threads run, and on a small step, which stays on
+    the calling thread."""
+    cases = [(MIXED_STEP["seq_lens"], MIXED_STEP["query_lens"]), ([4000], [1]), ([300], [1]), ([20], [5])]
+    for seq_lens, query_lens in cases:
         step = Step(seq_lens, query_lens, seed=5)
         assert torch.equal(with_threads(1, step), with_threads(2, step))
 
@@ -219,6 +221,31 @@ def test_engine_backend_is_the_kernel_bit_for_bit(built):
     mixed = attend(KernelAttention(), step)
     alone = attend(KernelAttention(), step.sub(decodes))
     assert torch.equal(torch.cat([mixed[step.rows(i)] for i in decodes]), alone)
+
+
+@needs_kernel
+def test_compiled_kv_write_is_the_index_copy_one(built):
+    """kernels.write_kv (both pools, one call) writes what ops.write_kv's index_copy_ writes, row for row: with
+    strided rows (views into a fused qkv output, as the layers pass them) and -1 slots skipped; a slot outside
+    the pool is a ValueError naming it, and then nothing at all is written."""
+    g = torch.Generator().manual_seed(7)
+    pools = [torch.randn(6, 4, 3, 8, generator=g) for _ in range(2)]
+    qkv = torch.randn(5, 9 + 3 + 3, 8, generator=g)  # 9 query heads, then k, then v
+    k, v = qkv[:, 9:12], qkv[:, 12:]
+    slots = torch.tensor([0, 23, -1, 5, 17])
+    expected = [p.clone() for p in pools]
+    ops.write_kv(expected[0], slots, k)
+    ops.write_kv(expected[1], slots, v)
+    got = [p.clone() for p in pools]
+    kernels.write_kv(*got, slots, k, v)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    for bad in (24, -2):
+        untouched = [p.clone() for p in pools]
+        with pytest.raises(ValueError, match=rf"slot_mapping\[4\] = {bad} is outside the pool's 24 slots"):
+            kernels.write_kv(*untouched, torch.tensor([0, 1, 2, 3, bad]), k, v)
+        assert torch.equal(untouched[0], pools[0]) and torch.equal(untouched[1], pools[1])
+    with pytest.raises(ValueError, match="k and v must be fp32"):
+        kernels.write_kv(*got, slots, k.transpose(1, 2), v)
 
 
 @needs_kernel

@@ -70,9 +70,8 @@ class KernelAttention:
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, meta: AttentionMetadata, scale: float
     ) -> Tensor:
-        """As :meth:`TorchAttention.forward`."""
-        ops.write_kv(k_pool, meta.slot_mapping, k)
-        ops.write_kv(v_pool, meta.slot_mapping, v)
+        """As :meth:`TorchAttention.forward`; both pools written in one compiled call."""
+        kernels.write_kv(k_pool, v_pool, meta.slot_mapping, k, v)
         return kernels.paged_attention(q, k_pool, v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
 
 
