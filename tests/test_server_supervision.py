@@ -114,3 +114,25 @@ def test_the_tokenizer_is_used_by_one_thread_per_object(engine):
             vars(engine.tokenizer).pop(name, None)
     assert threads["worker"] == {"pagedkv-tokenizer_0"}  # prompts and the logprob token table
     assert threads["engine"] == set()  # the engine's own tokenizer is for offline use only
+
+
+def test_the_server_loads_its_engine_on_a_thread_that_has_exited(monkeypatch):
+    """load_engine builds the LLMEngine on a thread of its own, gone before it returns (torch's intra-op
+    worker pool of a thread that stays alive slowed every step of the engine thread, see load_engine), and a
+    load that fails raises the engine's own error to the caller."""
+    from pagedkv.engine import async_client
+    from pagedkv.engine import engine as engine_module
+
+    built_on: list[threading.Thread] = []
+
+    class Recording(LLMEngine):
+        def __init__(self, config):
+            built_on.append(threading.current_thread())
+            super().__init__(config)
+
+    monkeypatch.setattr(engine_module, "LLMEngine", Recording)
+    loaded = async_client.load_engine(EngineConfig(num_kv_blocks=64, max_model_len=256, num_threads=1))
+    assert isinstance(loaded, Recording) and len(built_on) == 1
+    assert built_on[0] is not threading.current_thread() and not built_on[0].is_alive()
+    with pytest.raises(FileNotFoundError, match="no model at '/nonexistent/model'"):
+        async_client.load_engine(EngineConfig(model="/nonexistent/model", num_threads=1))

@@ -273,9 +273,9 @@ def serve(args: argparse.Namespace, engine_kwargs: dict) -> int:
     exits, so that a supervisor (systemd, Kubernetes) restarts it rather than it answering 503 forever.
     """
     from pagedkv.config import EngineConfig
-    from pagedkv.engine.engine import LLMEngine
+    from pagedkv.engine.async_client import load_engine
 
-    engine = LLMEngine(EngineConfig(**engine_kwargs))
+    engine = load_engine(EngineConfig(**engine_kwargs))  # on a thread that exits: see load_engine
     limits = ServerLimits(**{name: getattr(args, name) for name in ServerLimits.option_names()})
     api_key = args.api_key or os.environ.get("PAGEDKV_API_KEY") or None
     app = build_app(engine, args.served_model_name, api_key, limits=limits, loopback_only=is_loopback(args.host))

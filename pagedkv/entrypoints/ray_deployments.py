@@ -58,10 +58,10 @@ class EngineReplica:
 
     async def __init__(self, engine_kwargs: dict, served_model_name: str | None, limits: ServerLimits) -> None:
         from pagedkv.config import EngineConfig
-        from pagedkv.engine.engine import LLMEngine
+        from pagedkv.engine.async_client import load_engine
 
         _log_like_serve()
-        engine = LLMEngine(EngineConfig(**engine_kwargs))
+        engine = load_engine(EngineConfig(**engine_kwargs))  # on a thread that exits: see load_engine
         # The ingress already checked the Host header and the API key; nothing else reaches this app.
         self._app = build_app(engine, served_model_name, limits=limits, loopback_only=False)
         self._async_engine = self._app.state.async_engine
