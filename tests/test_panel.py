@@ -188,6 +188,14 @@ def test_codes_compute_with_exactly_their_weights() -> None:
                 assert torch.equal(_path(x, coded, path), _path(x, fp32, path)), (fmt, rows, path)
 
 
+def test_rows_read_back_exactly_the_packed_weights() -> None:
+    """panel.rows (the embedding lookup of a tied LM head whose panel holds the only copy) gives back the very
+    weights that were packed, in every format, with a padded last panel and repeated ids."""
+    ids = torch.tensor([0, 36, 15, 16, 36, 7])
+    for fmt, w in (("fp32", torch.randn(37, 96)), ("q4", q4_1_weight(37, 96)[0]), ("q8", q8_0_weight(37, 96)[0])):
+        assert torch.equal(panel.rows(panel.pack(w, fmt), ids), w[ids]), fmt
+
+
 @needs_kernel
 def test_the_path_is_checked() -> None:
     packed = panel.pack(torch.randn(16, 32), "fp32")
@@ -251,6 +259,8 @@ def test_q4_and_panel_engines_match_the_torch_gemm_engine() -> None:
             assert model.lm_head.panel.format == "q8" and model.layers[0].mlp.down_proj.panel.format == "q4"
         elif name == "panel":
             assert model.lm_head.panel.format == "fp32" and model.layers[0].mlp.down_proj.panel.format == "fp32"
+        if name != "torch":  # one copy of the tied vocabulary matrix: the embedding reads the head's panel
+            assert model.embed_tokens.numel() == 0 and model.lm_head.weight is model.embed_tokens
         answers[name] = [o.token_ids for o in llm.chat(chats, params, use_tqdm=False)]
         assert llm.engine.kv.num_used_blocks == 0
         del llm

@@ -57,7 +57,7 @@ class Linear(nn.Module):
 
         ``format`` is ``"fp32"`` or a code the checkpoint used (``"q4"``, ``"q8"``); a quantised format is
         taken only when its codes give back every weight exactly (False otherwise, and nothing changes).
-        The row-major weight stays (the embedding lookup reads it, and it is the reference path).
+        The row-major weight stays until :meth:`release_weight`.
         """
         if self.weight.dtype != torch.float32:
             return False
