@@ -97,6 +97,27 @@ def test_stop_strings_are_trimmed(reference):
     assert kept.text == full.text[: full.text.index(stop) + len(stop)]
 
 
+def test_a_stop_token_s_text_is_kept_only_when_asked(reference):
+    """stop_token_ids end the answer at that token; like vLLM, its text is in the output only with
+    include_stop_str_in_output (the token id is in token_ids either way)."""
+    base, _ = reference
+    prompt = base.engine.apply_chat_template([{"role": "user", "content": "Describe a sunny day at the beach."}])
+    full = base.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=12, temperature=0))[0]
+    stop_at = next(i for i in range(3, 12) if base.tokenizer.decode(full.token_ids[i]).strip())  # a visible token
+    stop_id = full.token_ids[stop_at]
+    assert stop_id not in full.token_ids[:stop_at], "pick a token that first occurs there"
+    texts = {}
+    for include in (False, True):
+        params = SamplingParams(
+            max_tokens=12, temperature=0, stop_token_ids=[stop_id], include_stop_str_in_output=include
+        )
+        out = base.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+        assert out.token_ids == full.token_ids[: stop_at + 1] and out.outputs[0].stop_reason == stop_id
+        texts[include] = out.text
+    assert texts[False] == base.tokenizer.decode(full.token_ids[:stop_at])
+    assert texts[True] == base.tokenizer.decode(full.token_ids[: stop_at + 1])
+
+
 def test_n_samples_share_prompt_blocks():
     llm = LLM(attention_backend="gather")
     system = "You are a helpful assistant who always answers in exactly one short sentence. " * 4

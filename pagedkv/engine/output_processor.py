@@ -177,9 +177,8 @@ class OutputProcessor:
                 sample.top_logprobs.append(core.top_logprobs[j])
             sample.first_token_time = sample.first_token_time or now
             sample.last_token_time = now
-            stop_token = last and core.stop_token  # EOS or a stop id: not part of the text
-            if not stop_token:
-                detokenizer.add_token(token)
+            # EOS or a stop id: its text is left out unless include_stop_str_in_output (the detokenizer decides)
+            detokenizer.add_token(token, stop_token=last and core.stop_token)
             if detokenizer.stop_reason is not None:
                 sample.finish_reason, sample.stop_reason = "stop", detokenizer.stop_reason
                 return (
