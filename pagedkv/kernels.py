@@ -219,6 +219,12 @@ def rope_(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     return torch.ops.pagedkv.rope_(x, cos, sin_signed)
 
 
+def panel_rows(packed: Tensor, ids: Tensor, n: int, k: int, format_code: int) -> Tensor:
+    """Rows ``ids`` (int64) of a packed weight as fp32, exactly (see :func:`pagedkv.model.panel.rows`)."""
+    gemm.require("use kernels=False")
+    return torch.ops.pagedkv.panel_rows(packed, ids, n, k, format_code)
+
+
 def panel_linear(x: Tensor, packed: Tensor, n: int, k: int, format_code: int) -> Tensor:
     """The raw panel GEMM on a 2-D fp32 ``x`` (see :func:`pagedkv.model.panel.panel_linear`)."""
     gemm.require("use kernels=False")

@@ -188,12 +188,15 @@ def test_codes_compute_with_exactly_their_weights() -> None:
                 assert torch.equal(_path(x, coded, path), _path(x, fp32, path)), (fmt, rows, path)
 
 
+@needs_kernel
 def test_rows_read_back_exactly_the_packed_weights() -> None:
     """panel.rows (the embedding lookup of a tied LM head whose panel holds the only copy) gives back the very
     weights that were packed, in every format, with a padded last panel and repeated ids."""
     ids = torch.tensor([0, 36, 15, 16, 36, 7])
     for fmt, w in (("fp32", torch.randn(37, 96)), ("q4", q4_1_weight(37, 96)[0]), ("q8", q8_0_weight(37, 96)[0])):
         assert torch.equal(panel.rows(panel.pack(w, fmt), ids), w[ids]), fmt
+    with pytest.raises(ValueError, match=r"ids\[1\] = 37 is outside \[0, 37\)"):  # the padded lane is no row
+        panel.rows(panel.pack(torch.randn(37, 96), "fp32"), torch.tensor([0, 37]))
 
 
 @needs_kernel

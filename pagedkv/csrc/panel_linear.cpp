@@ -539,10 +539,58 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
   return run(x, packed, n, k, format, kAuto);
 }
 
+// Rows `ids` of a packed weight as fp32 [len(ids), K]: the embedding lookup of a tied LM head whose panel holds
+// the only copy of the vocabulary matrix. Exact: d * q is exact in fp32 (an fp16 d, a 4- or 8-bit q), so
+// d * q + m rounds once, fused or not -- the weights that were packed, bit for bit.
+at::Tensor panel_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t n, int64_t k, int64_t format) {
+  TORCH_CHECK_VALUE(format == kF32 || format == kQ4 || format == kQ8, "panel_rows: unknown format ", format);
+  TORCH_CHECK_VALUE(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(),
+                    "panel_rows: ids must be a contiguous int64 [T] tensor");
+  const int64_t bytes = panel_bytes(format, k), num_panels = (n + kPanel - 1) / kPanel;
+  TORCH_CHECK_VALUE(packed.is_contiguous() && packed.nbytes() == static_cast<size_t>(num_panels * bytes),
+                    "panel_rows: packed weight has ", packed.nbytes(), " bytes, expected ", num_panels * bytes);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < ids.numel(); ++t)
+    TORCH_CHECK_VALUE(id[t] >= 0 && id[t] < n, "panel_rows: ids[", t, "] = ", id[t], " is outside [0, ", n, ")");
+  at::Tensor out = at::empty({ids.numel(), k}, ids.options().dtype(at::kFloat));
+  const uint8_t* w = static_cast<const uint8_t*>(packed.data_ptr());
+  const auto at_float = [](const uint8_t* p, int64_t i) {
+    float f;
+    std::memcpy(&f, p + i * sizeof(float), sizeof(float));
+    return f;
+  };
+  for (int64_t t = 0; t < ids.numel(); ++t) {
+    const uint8_t* base = w + (id[t] / kPanel) * bytes;
+    const int64_t lane = id[t] % kPanel;
+    float* row = out.data_ptr<float>() + t * k;
+    if (format == kF32) {
+      for (int64_t i = 0; i < k; ++i) row[i] = at_float(base, i * kPanel + lane);
+      continue;
+    }
+    for (int64_t g = 0; g < k / kGroup; ++g) {
+      const uint8_t* rec = base + g * (format == kQ4 ? kQ4Record : kQ8Record);
+      float* o = row + g * kGroup;
+      if (format == kQ4) {
+        const float d = at_float(rec + kPanel * kGroup / 2, lane), m = at_float(rec + kPanel * kGroup / 2, kPanel + lane);
+        for (int64_t pair = 0; pair < kGroup / 2; ++pair) {
+          const uint8_t byte = rec[pair * kPanel + lane];
+          o[2 * pair] = d * static_cast<float>(byte & 0x0F) + m;
+          o[2 * pair + 1] = d * static_cast<float>(byte >> 4) + m;
+        }
+      } else {
+        const float d = at_float(rec + kPanel * kGroup, lane);
+        for (int64_t i = 0; i < kGroup; ++i) o[i] = d * static_cast<float>(static_cast<int8_t>(rec[i * kPanel + lane]));
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedkv, lib) {
   lib.def("panel_linear(Tensor x, Tensor packed, int n, int k, int format) -> Tensor", &panel_linear);
+  lib.def("panel_rows(Tensor packed, Tensor ids, int n, int k, int format) -> Tensor", &panel_rows);
   // Private: the same with the path forced (0 auto, 1 tiled, 2 AVX2 registers, 3 AVX-512 registers).
   lib.def("_panel_linear_path(Tensor x, Tensor packed, int n, int k, int format, int path) -> Tensor", &run);
 }
