@@ -28,6 +28,7 @@ from pagedkv.attention.backend import AttentionBackend
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.attention.paged import TorchAttention
 from pagedkv.model import panel
+from pagedkv.model.decoder_stack import DecoderStack, stack_for
 from pagedkv.model.layers import WEIGHT_FORMATS, Linear, LMHead, RMSNorm, SwiGLU, empty_parameter
 from pagedkv.model.rope import RotaryEmbedding, apply_rope
 from pagedkv.model.spec import ModelSpec
@@ -122,6 +123,9 @@ class LlamaForCausalLM(nn.Module):
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_positions, spec.rope)
+        # all layers in one compiled call where they fit it (model/decoder_stack.py); False runs the modules
+        self.fused_layers = True
+        self._stack: DecoderStack | None | bool = None  # built at the first step: False where it does not fit
 
     def use_kernels(self, quantized: bool, root: nn.Module | None = None) -> Counter[str]:
         """Run norms, SiLU-and-multiply and RoPE on the compiled ops and, where the panel GEMM builds, pack
@@ -135,6 +139,7 @@ class LlamaForCausalLM(nn.Module):
         exactly -- Q4_1 (0.75 bytes a weight) before Q8_0 (1.125) -- and fp32 panels otherwise.
         """
         gemm = kernels.gemm.available()
+        self._stack = None  # the layers may fit the compiled stack now
         formats: Counter[str] = Counter()
         for module in (root or self).modules():
             if isinstance(module, (RMSNorm, SwiGLU, LlamaAttention)):
@@ -197,8 +202,13 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"need one (k_pool, v_pool) per layer: {self.spec.num_layers}, got {len(kv_caches)}")
         h = self._embed(input_ids)
         cos, sin = self.rotary.tables(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, meta, kv_cache)
+        if self._stack is None:
+            self._stack = stack_for(self) or False
+        if self._stack and self.fused_layers:
+            h = self._stack(h, cos, sin, meta, kv_caches)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                h = layer(h, cos, sin, meta, kv_cache)
         return self.norm(h[rows])
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
