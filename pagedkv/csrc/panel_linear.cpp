@@ -175,9 +175,9 @@ void panels(const Problem& p, int64_t begin, int64_t end) {
 // At M = 1 the tiled path above does not stream the weights at memory speed. tile<1> has two dependency
 // chains (8 outputs each), and every FMA waits for the previous one's result (~4 cycles), so a core runs 2
 // FMAs per 4 cycles where it could run 8; a quantised chunk also makes a round trip through the buffer, paid
-// for a single row. Here, for every k, the weights of P panels are decoded straight into registers and feed
-// the accumulators of R <= 4 rows: P independent chains per row and output vector hide the FMA latency, and
-// nothing goes to memory but y.
+// for a single row. Here, for every k, the weights of a panel are decoded straight into registers and feed
+// the accumulators of R <= 4 rows, and nothing goes to memory but y (the kernels take P panels at a time;
+// one measured fastest, see kPanelsAtOnce).
 //
 // The arithmetic is exactly tile<>'s, in the same order: per 256-k chunk, every output is a chain of FMAs
 // from zero over k ascending, and the chunk sums are added in chunk order; the weights are de-quantised as
@@ -186,14 +186,13 @@ void panels(const Problem& p, int64_t begin, int64_t end) {
 // (d is an fp16 value, q has 4 or 8 bits), so `d * q + m` rounds once whether or not the compiler fuses the
 // multiply and the add (GCC does by default, here and in expand_q4): every path sees the same weights.
 
-constexpr int kRows = 4;    // most rows per register kernel: 4 x 4 panels of accumulators fill AVX-512's 32
-constexpr int kPanels = 4;  // most panels per register kernel
+constexpr int kRows = 4;  // most rows per register kernel (4 x 4 panels of accumulators would fill AVX-512's 32)
 constexpr int64_t kQ4Scales = kPanel * kGroup / 2;  // byte offset of d (then m) in a q4 record
 constexpr int64_t kQ8Scales = kPanel * kGroup;      // byte offset of d in a q8 record
 
-// Software prefetch. A register kernel reads P panels at once: P streams, panel_bytes apart, each only a
-// few KiB long (K = 576: 6.75 KiB of q4). The hardware prefetchers lose time on every new stream and do
-// not run far enough ahead of these (measured without: 11-14 GB/s, a third of one core's sequential read), so
+// Software prefetch. A register kernel reads P panels at once (P = 1 now): P streams, panel_bytes apart,
+// each only a few KiB long (K = 576: 6.75 KiB of q4). The hardware prefetchers lose time on every new
+// stream and do not run far enough ahead of these (measured without: 11-14 GB/s, a third of one core's sequential read), so
 // the kernel asks for every line kAhead bytes before it reads it. Near the end of its panels it asks for
 // the starts of the next P panels -- what this thread reads next -- so a new stream starts warm. A prefetch
 // past the weight's end is dropped, never a fault.
@@ -445,44 +444,42 @@ bool has_avx512() {
   return yes;
 }
 
-// The register kernels, one table per instruction set, by [format][R - 1][P - 1]; and how many panels each
-// takes at a time by R: as many independent chains as the registers hold (measured, benchmarks/panel_linear.py).
+// The register kernels, one table per instruction set, by [format][R - 1]. They are written for P panels side
+// by side (P independent FMA chains per row and output vector), but run one panel at a time (P = 1): on
+// Zen 5 (2 threads, the default model's 121 linears in model order, interleaved in one process) one panel
+// at a time beat 2 and 4 at every R from 1 to 4 and in both instruction sets, by 10-25 % (gguf, one row:
+// 6.8 / 8.0 / 8.4 ms for P = 1 / 2 / 4 with AVX-512; fp32: 16.5 / 20.5 / 20.8 ms), and in the engine one
+// request decoded 92 / 84 / 76 tokens/s. One sequential stream per thread is what the prefetchers follow
+// best; the extra chains of P > 1 were worth less than the extra streams cost. P stays a parameter so a
+// new machine can be measured again (benchmarks/panel_linear.py).
+constexpr int kPanelsAtOnce = 1;
 using RowsFn = void (*)(const Problem&, int64_t, int64_t);
-struct RowsKernels {
-  std::array<std::array<std::array<RowsFn, kPanels>, kRows>, 3> fn;
-  std::array<int, kRows> panels;
-};
+using RowsKernels = std::array<std::array<RowsFn, kRows>, 3>;
 
-template <bool Avx512, int F, int R, int P>
+template <bool Avx512, int F, int R>
 void rows_kernel(const Problem& p, int64_t row, int64_t panel) {
   if constexpr (Avx512) {
-    rows_avx512<F, R, P>(p, row, panel);
+    rows_avx512<F, R, kPanelsAtOnce>(p, row, panel);
   } else {
-    rows_avx2<F, R, P>(p, row, panel);
+    rows_avx2<F, R, kPanelsAtOnce>(p, row, panel);
   }
 }
-template <bool Avx512, int F, int R>
-constexpr std::array<RowsFn, kPanels> by_panels() {
-  return {rows_kernel<Avx512, F, R, 1>, rows_kernel<Avx512, F, R, 2>, rows_kernel<Avx512, F, R, 3>,
-          rows_kernel<Avx512, F, R, 4>};
-}
 template <bool Avx512, int F>
-constexpr std::array<std::array<RowsFn, kPanels>, kRows> by_rows() {
-  return {by_panels<Avx512, F, 1>(), by_panels<Avx512, F, 2>(), by_panels<Avx512, F, 3>(), by_panels<Avx512, F, 4>()};
+constexpr std::array<RowsFn, kRows> by_rows() {
+  return {rows_kernel<Avx512, F, 1>, rows_kernel<Avx512, F, 2>, rows_kernel<Avx512, F, 3>, rows_kernel<Avx512, F, 4>};
 }
-constexpr RowsKernels kAvx2Rows{{by_rows<false, kF32>(), by_rows<false, kQ4>(), by_rows<false, kQ8>()}, {2, 1, 1, 1}};
-constexpr RowsKernels kAvx512Rows{{by_rows<true, kF32>(), by_rows<true, kQ4>(), by_rows<true, kQ8>()}, {4, 4, 4, 4}};
+constexpr RowsKernels kAvx2Rows{by_rows<false, kF32>(), by_rows<false, kQ4>(), by_rows<false, kQ8>()};
+constexpr RowsKernels kAvx512Rows{by_rows<true, kF32>(), by_rows<true, kQ4>(), by_rows<true, kQ8>()};
 
 // Panels [begin, end) for every x row. Rows go in as few groups of at most kRows as cover them, of even
-// sizes (6 rows: 3 + 3, not 4 + 2: every group keeps enough chains); panels go P at a time (fewer at the end).
+// sizes (6 rows: 3 + 3, not 4 + 2: every group keeps enough chains).
 void rows_panels(const Problem& p, int64_t begin, int64_t end, const RowsKernels& kernels) {
+  static_assert(kPanelsAtOnce == 1, "a last group of fewer panels needs its own kernel");
   const int64_t groups = (p.rows + kRows - 1) / kRows, most = (p.rows + groups - 1) / groups;
-  const int64_t step = kernels.panels[most - 1];
-  for (int64_t panel = begin; panel < end; panel += step) {
-    const int64_t count = std::min(step, end - panel);
+  for (int64_t panel = begin; panel < end; ++panel) {
     for (int64_t row = 0; row < p.rows; row += most) {
       const int64_t rows = std::min(most, p.rows - row);
-      kernels.fn[p.format][rows - 1][count - 1](p, row, panel);
+      kernels[p.format][rows - 1](p, row, panel);
     }
   }
 }
