@@ -170,167 +170,141 @@ void panels(const Problem& p, int64_t begin, int64_t end) {
   }
 }
 
-// ---- Few rows (decode): weights de-quantised in registers, several panels at a time -----------------------
+// ---- Few rows (decode): weights de-quantised in registers, a panel at a time ----------------------------
 //
 // At M = 1 the tiled path above does not stream the weights at memory speed. tile<1> has two dependency
 // chains (8 outputs each), and every FMA waits for the previous one's result (~4 cycles), so a core runs 2
 // FMAs per 4 cycles where it could run 8; a quantised chunk also makes a round trip through the buffer, paid
-// for a single row. Here, for every k, the weights of a panel are decoded straight into registers and feed
-// the accumulators of R <= 4 rows, and nothing goes to memory but y (the kernels take P panels at a time;
-// one measured fastest, see kPanelsAtOnce).
+// for a single row. Here, for every k, the weights of one panel are decoded straight into registers and feed
+// the accumulators of R <= 4 rows, and nothing goes to memory but y.
+//
+// A panel at a time, in one pass, not several side by side: on Zen 5 (2 threads, the default model's 121
+// linears in model order, interleaved in one process) one panel at a time beat 2 and 4 side by side at every R
+// from 1 to 4 and in both instruction sets by 10-25 % (gguf, one row: 6.8 / 8.0 / 8.4 ms for 1 / 2 / 4 panels
+// with AVX-512; fp32: 16.5 / 20.5 / 20.8 ms), and in the engine one request decoded 92 / 84 / 76 tokens/s.
+// More independent FMA chains did not pay either: walking two 256-k chunks of a panel side by side (each
+// chunk's sums are a chain of their own, so the bits stay the same) took one request from 117-130 down to
+// 86-100 tokens/s. One stream per thread, read in order, is what the prefetchers follow best.
 //
 // The arithmetic is exactly tile<>'s, in the same order: per 256-k chunk, every output is a chain of FMAs
 // from zero over k ascending, and the chunk sums are added in chunk order; the weights are de-quantised as
-// expand_q4 / expand_q8 do. A row therefore gets the same bits whichever path, vector width, panel group or
-// thread computes it (tests/test_panel.py checks all of them against the tiled path). d * q is exact in fp32
-// (d is an fp16 value, q has 4 or 8 bits), so `d * q + m` rounds once whether or not the compiler fuses the
+// expand_q4 / expand_q8 do. A row therefore gets the same bits whichever path, vector width or thread
+// computes it (tests/test_panel.py checks all of them against the tiled path). d * q is exact in fp32 (d is
+// an fp16 value, q has 4 or 8 bits), so `d * q + m` rounds once whether or not the compiler fuses the
 // multiply and the add (GCC does by default, here and in expand_q4): every path sees the same weights.
 
-constexpr int kRows = 4;  // most rows per register kernel (4 x 4 panels of accumulators would fill AVX-512's 32)
+constexpr int kRows = 4;  // most rows per register kernel
 constexpr int64_t kQ4Scales = kPanel * kGroup / 2;  // byte offset of d (then m) in a q4 record
 constexpr int64_t kQ8Scales = kPanel * kGroup;      // byte offset of d in a q8 record
+#define PAGEDKV_INLINE inline __attribute__((always_inline))
 
-// Software prefetch. A register kernel reads P panels at once (P = 1 now): P streams, panel_bytes apart,
-// each only a few KiB long (K = 576: 6.75 KiB of q4). The hardware prefetchers lose time on every new
-// stream and do not run far enough ahead of these (measured without: 11-14 GB/s, a third of one core's sequential read), so
-// the kernel asks for every line kAhead bytes before it reads it. Near the end of its panels it asks for
-// the starts of the next P panels -- what this thread reads next -- so a new stream starts warm. A prefetch
-// past the weight's end is dropped, never a fault.
+// Software prefetch. A panel is only a few KiB long (K = 576: 6.75 KiB of q4), so a thread's stream starts
+// anew every few microseconds; the hardware prefetchers lose time on every new stream and do not run far
+// enough ahead (measured without: 11-14 GB/s, a third of one core's sequential read). So the kernel asks for
+// every line kAhead bytes before it reads it; near a panel's end that is the next panel, which this thread
+// reads next (a thread's panels are consecutive). A prefetch past the weight's end is dropped, never a fault.
 constexpr int64_t kAhead = 2048;  // bytes; 2-8 KiB measured alike, 1 KiB 25 % slower (too late)
 
-template <int P>
-inline void prefetch(const uint8_t* stream, int64_t offset, int64_t bytes, int64_t panel_bytes) {
-  const int64_t ahead = offset + kAhead < panel_bytes ? kAhead : kAhead + (P - 1) * panel_bytes;
+PAGEDKV_INLINE void prefetch(const uint8_t* panel, int64_t offset, int64_t bytes) {
   for (int64_t line = 0; line < bytes; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(stream + offset + ahead + line), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(panel + offset + kAhead + line), _MM_HINT_T0);
 }
 
-// -- AVX2: a panel's 16 outputs are two registers, [j][0] (outputs 0-7) and [j][1] (8-15).
+// A unit of work is one k of an fp32 panel, or one group of 32 k of a quantised one.
+template <int Format>
+constexpr int64_t kUnit = Format == kF32 ? 1 : kGroup;
 
-// acc[r][j] += x[r][k] * w[j] for R rows and P panels at one k (x points at row 0's x[k]).
-template <int R, int P>
-inline void fma_rows_avx2(const float* x, int64_t ldx, const __m256 (&w)[P][2], __m256 (&acc)[R][P][2]) {
+// -- AVX2: a panel's 16 outputs are two registers, [0] (outputs 0-7) and [1] (8-15).
+
+// acc[r] += x[r][k] * w for R rows at one k (x points at row 0's x[k]).
+template <int R>
+PAGEDKV_INLINE void fma_rows_avx2(const float* x, int64_t ldx, const __m256 (&w)[2], __m256 (&acc)[R][2]) {
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
     const __m256 xv = _mm256_broadcast_ss(x + r * ldx);
-#pragma GCC unroll 4
-    for (int j = 0; j < P; ++j) {
-      acc[r][j][0] = _mm256_fmadd_ps(xv, w[j][0], acc[r][j][0]);
-      acc[r][j][1] = _mm256_fmadd_ps(xv, w[j][1], acc[r][j][1]);
+    acc[r][0] = _mm256_fmadd_ps(xv, w[0], acc[r][0]);
+    acc[r][1] = _mm256_fmadd_ps(xv, w[1], acc[r][1]);
+  }
+}
+
+// acc += the x rows' products with unit u of the panel at w.
+template <int Format, int R>
+PAGEDKV_INLINE void unit_avx2(const Problem& p, const uint8_t* w, const float* x, int64_t u, __m256 (&acc)[R][2]) {
+  if constexpr (Format == kF32) {
+    const int64_t offset = u * kPanel * sizeof(float);
+    prefetch(w, offset, kPanel * sizeof(float));
+    const float* src = reinterpret_cast<const float*>(w + offset);
+    const __m256 wk[2] = {_mm256_loadu_ps(src), _mm256_loadu_ps(src + 8)};
+    fma_rows_avx2<R>(x + u, p.k, wk, acc);
+  } else if constexpr (Format == kQ4) {
+    prefetch(w, u * kQ4Record, kQ4Record);
+    const uint8_t* codes = w + u * kQ4Record;
+    const float* scales = reinterpret_cast<const float*>(codes + kQ4Scales);
+    const __m256 d[2] = {_mm256_loadu_ps(scales), _mm256_loadu_ps(scales + 8)};
+    const __m256 m[2] = {_mm256_loadu_ps(scales + kPanel), _mm256_loadu_ps(scales + kPanel + 8)};
+    const __m256i low = _mm256_set1_epi32(0x0F);
+    for (int64_t pair = 0; pair < kGroup / 2; ++pair) {  // k = 2 pair (low nibbles), 2 pair + 1 (high)
+      __m256 even[2], odd[2];
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {  // 8 outputs' code bytes, each zero-extended to 32 bits
+        const __m256i bytes = _mm256_cvtepu8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + pair * kPanel + 8 * h)));
+        const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, low));
+        const __m256 q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+        even[h] = _mm256_add_ps(_mm256_mul_ps(q0, d[h]), m[h]);
+        odd[h] = _mm256_add_ps(_mm256_mul_ps(q1, d[h]), m[h]);
+      }
+      fma_rows_avx2<R>(x + u * kGroup + 2 * pair, p.k, even, acc);
+      fma_rows_avx2<R>(x + u * kGroup + 2 * pair + 1, p.k, odd, acc);
+    }
+  } else {
+    prefetch(w, u * kQ8Record, kQ8Record);
+    const uint8_t* codes = w + u * kQ8Record;
+    const float* scales = reinterpret_cast<const float*>(codes + kQ8Scales);
+    const __m256 d[2] = {_mm256_loadu_ps(scales), _mm256_loadu_ps(scales + 8)};
+    for (int64_t i = 0; i < kGroup; ++i) {
+      __m256 wk[2];
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256i q =
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i * kPanel + 8 * h)));
+        wk[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(q), d[h]);
+      }
+      fma_rows_avx2<R>(x + u * kGroup + i, p.k, wk, acc);
     }
   }
 }
 
-// y[row, row + R) x [outputs of panels panel, panel + P) = x W^T. Every loop over r, j or h is unrolled:
+// y[row, row + R) x [the panel's outputs] = x W^T, chunk after chunk. Every loop over r, c or h is unrolled:
 // the arrays then live in registers (an array indexed in a loop that is not, lives on the stack).
-template <int Format, int R, int P>
+template <int Format, int R>
 void rows_avx2(const Problem& p, int64_t row, int64_t panel) {
   const uint8_t* w = p.w + panel * p.panel_bytes;
   const float* x = p.x + row * p.k;
-  __m256 sum[R][P][2] = {};  // set by the first chunk (the zeros only quiet -Wmaybe-uninitialized)
+  __m256 sum[R][2] = {};  // set by the first chunk (the zeros only quiet -Wmaybe-uninitialized)
   for (int64_t k0 = 0; k0 < p.k; k0 += kChunk) {
-    const int64_t k1 = std::min(k0 + kChunk, p.k);
-    __m256 acc[R][P][2];
+    __m256 acc[R][2];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int j = 0; j < P; ++j) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
-    if constexpr (Format == kF32) {
-      for (int64_t k = k0; k < k1; ++k) {
-        const int64_t offset = k * kPanel * sizeof(float);
-        __m256 wk[P][2];
-#pragma GCC unroll 4
-        for (int j = 0; j < P; ++j) {
-          prefetch<P>(w + j * p.panel_bytes, offset, kPanel * sizeof(float), p.panel_bytes);
-          const float* src = reinterpret_cast<const float*>(w + j * p.panel_bytes + offset);
-          wk[j][0] = _mm256_loadu_ps(src);
-          wk[j][1] = _mm256_loadu_ps(src + 8);
-        }
-        fma_rows_avx2<R, P>(x + k, p.k, wk, acc);
-      }
-    } else if constexpr (Format == kQ4) {
-      const __m256i low = _mm256_set1_epi32(0x0F);
-      for (int64_t g = k0 / kGroup; g < k1 / kGroup; ++g) {
-        const uint8_t* codes[P];
-        __m256 d[P][2], m[P][2];
-#pragma GCC unroll 4
-        for (int j = 0; j < P; ++j) {
-          prefetch<P>(w + j * p.panel_bytes, g * kQ4Record, kQ4Record, p.panel_bytes);
-          codes[j] = w + j * p.panel_bytes + g * kQ4Record;
-          const float* scales = reinterpret_cast<const float*>(codes[j] + kQ4Scales);
-#pragma GCC unroll 2
-          for (int h = 0; h < 2; ++h) {
-            d[j][h] = _mm256_loadu_ps(scales + 8 * h);
-            m[j][h] = _mm256_loadu_ps(scales + kPanel + 8 * h);
-          }
-        }
-        for (int64_t pair = 0; pair < kGroup / 2; ++pair) {  // k = 2 pair (low nibbles), 2 pair + 1 (high)
-          __m256 even[P][2], odd[P][2];
-#pragma GCC unroll 4
-          for (int j = 0; j < P; ++j) {
-#pragma GCC unroll 2
-            for (int h = 0; h < 2; ++h) {  // 8 outputs' code bytes, each zero-extended to 32 bits
-              const __m256i bytes = _mm256_cvtepu8_epi32(
-                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes[j] + pair * kPanel + 8 * h)));
-              const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, low));
-              const __m256 q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
-              even[j][h] = _mm256_add_ps(_mm256_mul_ps(q0, d[j][h]), m[j][h]);
-              odd[j][h] = _mm256_add_ps(_mm256_mul_ps(q1, d[j][h]), m[j][h]);
-            }
-          }
-          fma_rows_avx2<R, P>(x + g * kGroup + 2 * pair, p.k, even, acc);
-          fma_rows_avx2<R, P>(x + g * kGroup + 2 * pair + 1, p.k, odd, acc);
-        }
-      }
-    } else {
-      for (int64_t g = k0 / kGroup; g < k1 / kGroup; ++g) {
-        const uint8_t* codes[P];
-        __m256 d[P][2];
-#pragma GCC unroll 4
-        for (int j = 0; j < P; ++j) {
-          prefetch<P>(w + j * p.panel_bytes, g * kQ8Record, kQ8Record, p.panel_bytes);
-          codes[j] = w + j * p.panel_bytes + g * kQ8Record;
-          const float* scales = reinterpret_cast<const float*>(codes[j] + kQ8Scales);
-          d[j][0] = _mm256_loadu_ps(scales);
-          d[j][1] = _mm256_loadu_ps(scales + 8);
-        }
-        for (int64_t i = 0; i < kGroup; ++i) {
-          __m256 wk[P][2];
-#pragma GCC unroll 4
-          for (int j = 0; j < P; ++j) {
-#pragma GCC unroll 2
-            for (int h = 0; h < 2; ++h) {
-              const __m256i q = _mm256_cvtepi8_epi32(
-                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes[j] + i * kPanel + 8 * h)));
-              wk[j][h] = _mm256_mul_ps(_mm256_cvtepi32_ps(q), d[j][h]);
-            }
-          }
-          fma_rows_avx2<R, P>(x + g * kGroup + i, p.k, wk, acc);
-        }
-      }
-    }
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t u = k0 / kUnit<Format>; u < std::min(k0 + kChunk, p.k) / kUnit<Format>; ++u)
+      unit_avx2<Format, R>(p, w, x, u, acc);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)  // the chunk's sums join the total in chunk order, as tile<> adds them to y
-#pragma GCC unroll 4
-      for (int j = 0; j < P; ++j)
 #pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) sum[r][j][h] = k0 == 0 ? acc[r][j][h] : _mm256_add_ps(sum[r][j][h], acc[r][j][h]);
+      for (int h = 0; h < 2; ++h) sum[r][h] = k0 == 0 ? acc[r][h] : _mm256_add_ps(sum[r][h], acc[r][h]);
   }
+  const int64_t cols = std::min(kPanel, p.n - panel * kPanel);  // < 16 in a last, padded panel
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int j = 0; j < P; ++j) {
-      float* y = p.y + (row + r) * p.n + (panel + j) * kPanel;
-      const int64_t cols = std::min(kPanel, p.n - (panel + j) * kPanel);  // < 16 in a last, padded panel
-      if (cols == kPanel) {
-        _mm256_storeu_ps(y, sum[r][j][0]);
-        _mm256_storeu_ps(y + 8, sum[r][j][1]);
-      } else {
-        alignas(32) float out[kPanel];
-        _mm256_store_ps(out, sum[r][j][0]);
-        _mm256_store_ps(out + 8, sum[r][j][1]);
-        std::memcpy(y, out, cols * sizeof(float));
-      }
+    float* y = p.y + (row + r) * p.n + panel * kPanel;
+    if (cols == kPanel) {
+      _mm256_storeu_ps(y, sum[r][0]);
+      _mm256_storeu_ps(y + 8, sum[r][1]);
+    } else {
+      alignas(32) float out[kPanel];
+      _mm256_store_ps(out, sum[r][0]);
+      _mm256_store_ps(out + 8, sum[r][1]);
+      std::memcpy(y, out, cols * sizeof(float));
     }
   }
 }
@@ -339,101 +313,60 @@ void rows_avx2(const Problem& p, int64_t row, int64_t panel) {
 // build flags (the function attribute), and called only where the CPU has it (has_avx512).
 #define PAGEDKV_AVX512 __attribute__((target("avx512f")))
 
-template <int R, int P>
-PAGEDKV_AVX512 inline void fma_rows_avx512(const float* x, int64_t ldx, const __m512 (&w)[P], __m512 (&acc)[R][P]) {
+template <int R>
+PAGEDKV_AVX512 PAGEDKV_INLINE void fma_rows_avx512(const float* x, int64_t ldx, __m512 w, __m512 (&acc)[R]) {
 #pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
-    const __m512 xv = _mm512_set1_ps(x[r * ldx]);
-#pragma GCC unroll 4
-    for (int j = 0; j < P; ++j) acc[r][j] = _mm512_fmadd_ps(xv, w[j], acc[r][j]);
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx]), w, acc[r]);
+}
+
+template <int Format, int R>
+PAGEDKV_AVX512 PAGEDKV_INLINE void unit_avx512(const Problem& p, const uint8_t* w, const float* x, int64_t u,
+                                               __m512 (&acc)[R]) {
+  if constexpr (Format == kF32) {
+    const int64_t offset = u * kPanel * sizeof(float);
+    prefetch(w, offset, kPanel * sizeof(float));
+    fma_rows_avx512<R>(x + u, p.k, _mm512_loadu_ps(w + offset), acc);
+  } else if constexpr (Format == kQ4) {
+    prefetch(w, u * kQ4Record, kQ4Record);
+    const uint8_t* codes = w + u * kQ4Record;
+    const __m512 d = _mm512_loadu_ps(codes + kQ4Scales), m = _mm512_loadu_ps(codes + kQ4Scales + kPanel * 4);
+    const __m512i low = _mm512_set1_epi32(0x0F);
+    for (int64_t pair = 0; pair < kGroup / 2; ++pair) {
+      const __m512i bytes =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + pair * kPanel)));
+      const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low));
+      const __m512 q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+      fma_rows_avx512<R>(x + u * kGroup + 2 * pair, p.k, _mm512_add_ps(_mm512_mul_ps(q0, d), m), acc);
+      fma_rows_avx512<R>(x + u * kGroup + 2 * pair + 1, p.k, _mm512_add_ps(_mm512_mul_ps(q1, d), m), acc);
+    }
+  } else {
+    prefetch(w, u * kQ8Record, kQ8Record);
+    const uint8_t* codes = w + u * kQ8Record;
+    const __m512 d = _mm512_loadu_ps(codes + kQ8Scales);
+    for (int64_t i = 0; i < kGroup; ++i) {
+      const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i * kPanel)));
+      fma_rows_avx512<R>(x + u * kGroup + i, p.k, _mm512_mul_ps(_mm512_cvtepi32_ps(q), d), acc);
+    }
   }
 }
 
-template <int Format, int R, int P>
+template <int Format, int R>
 PAGEDKV_AVX512 void rows_avx512(const Problem& p, int64_t row, int64_t panel) {
   const uint8_t* w = p.w + panel * p.panel_bytes;
   const float* x = p.x + row * p.k;
-  __m512 sum[R][P] = {};
+  __m512 sum[R] = {};
   for (int64_t k0 = 0; k0 < p.k; k0 += kChunk) {
-    const int64_t k1 = std::min(k0 + kChunk, p.k);
-    __m512 acc[R][P];
+    __m512 acc[R];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t u = k0 / kUnit<Format>; u < std::min(k0 + kChunk, p.k) / kUnit<Format>; ++u)
+      unit_avx512<Format, R>(p, w, x, u, acc);
 #pragma GCC unroll 4
-      for (int j = 0; j < P; ++j) acc[r][j] = _mm512_setzero_ps();
-    if constexpr (Format == kF32) {
-      for (int64_t k = k0; k < k1; ++k) {
-        const int64_t offset = k * kPanel * sizeof(float);
-        __m512 wk[P];
-#pragma GCC unroll 4
-        for (int j = 0; j < P; ++j) {
-          prefetch<P>(w + j * p.panel_bytes, offset, kPanel * sizeof(float), p.panel_bytes);
-          wk[j] = _mm512_loadu_ps(w + j * p.panel_bytes + offset);
-        }
-        fma_rows_avx512<R, P>(x + k, p.k, wk, acc);
-      }
-    } else if constexpr (Format == kQ4) {
-      const __m512i low = _mm512_set1_epi32(0x0F);
-      for (int64_t g = k0 / kGroup; g < k1 / kGroup; ++g) {
-        const uint8_t* codes[P];
-        __m512 d[P], m[P];
-#pragma GCC unroll 4
-        for (int j = 0; j < P; ++j) {
-          prefetch<P>(w + j * p.panel_bytes, g * kQ4Record, kQ4Record, p.panel_bytes);
-          codes[j] = w + j * p.panel_bytes + g * kQ4Record;
-          d[j] = _mm512_loadu_ps(codes[j] + kQ4Scales);
-          m[j] = _mm512_loadu_ps(codes[j] + kQ4Scales + kPanel * sizeof(float));
-        }
-        for (int64_t pair = 0; pair < kGroup / 2; ++pair) {
-          __m512 even[P], odd[P];
-#pragma GCC unroll 4
-          for (int j = 0; j < P; ++j) {
-            const __m512i bytes =
-                _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes[j] + pair * kPanel)));
-            const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low));
-            const __m512 q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
-            even[j] = _mm512_add_ps(_mm512_mul_ps(q0, d[j]), m[j]);
-            odd[j] = _mm512_add_ps(_mm512_mul_ps(q1, d[j]), m[j]);
-          }
-          fma_rows_avx512<R, P>(x + g * kGroup + 2 * pair, p.k, even, acc);
-          fma_rows_avx512<R, P>(x + g * kGroup + 2 * pair + 1, p.k, odd, acc);
-        }
-      }
-    } else {
-      for (int64_t g = k0 / kGroup; g < k1 / kGroup; ++g) {
-        const uint8_t* codes[P];
-        __m512 d[P];
-#pragma GCC unroll 4
-        for (int j = 0; j < P; ++j) {
-          prefetch<P>(w + j * p.panel_bytes, g * kQ8Record, kQ8Record, p.panel_bytes);
-          codes[j] = w + j * p.panel_bytes + g * kQ8Record;
-          d[j] = _mm512_loadu_ps(codes[j] + kQ8Scales);
-        }
-        for (int64_t i = 0; i < kGroup; ++i) {
-          __m512 wk[P];
-#pragma GCC unroll 4
-          for (int j = 0; j < P; ++j) {
-            const __m512i q =
-                _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes[j] + i * kPanel)));
-            wk[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(q), d[j]);
-          }
-          fma_rows_avx512<R, P>(x + g * kGroup + i, p.k, wk, acc);
-        }
-      }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int j = 0; j < P; ++j) sum[r][j] = k0 == 0 ? acc[r][j] : _mm512_add_ps(sum[r][j], acc[r][j]);
+    for (int r = 0; r < R; ++r) sum[r] = k0 == 0 ? acc[r] : _mm512_add_ps(sum[r], acc[r]);
   }
+  const int64_t cols = std::min(kPanel, p.n - panel * kPanel);
 #pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int j = 0; j < P; ++j) {
-      const int64_t cols = std::min(kPanel, p.n - (panel + j) * kPanel);
-      _mm512_mask_storeu_ps(p.y + (row + r) * p.n + (panel + j) * kPanel, (1u << cols) - 1, sum[r][j]);
-    }
-  }
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(p.y + (row + r) * p.n + panel * kPanel, (1u << cols) - 1, sum[r]);
 }
 
 bool has_avx512() {
@@ -444,24 +377,16 @@ bool has_avx512() {
   return yes;
 }
 
-// The register kernels, one table per instruction set, by [format][R - 1]. They are written for P panels side
-// by side (P independent FMA chains per row and output vector), but run one panel at a time (P = 1): on
-// Zen 5 (2 threads, the default model's 121 linears in model order, interleaved in one process) one panel
-// at a time beat 2 and 4 at every R from 1 to 4 and in both instruction sets, by 10-25 % (gguf, one row:
-// 6.8 / 8.0 / 8.4 ms for P = 1 / 2 / 4 with AVX-512; fp32: 16.5 / 20.5 / 20.8 ms), and in the engine one
-// request decoded 92 / 84 / 76 tokens/s. One sequential stream per thread is what the prefetchers follow
-// best; the extra chains of P > 1 were worth less than the extra streams cost. P stays a parameter so a
-// new machine can be measured again (benchmarks/panel_linear.py).
-constexpr int kPanelsAtOnce = 1;
+// The register kernels, one table per instruction set, by [format][R - 1].
 using RowsFn = void (*)(const Problem&, int64_t, int64_t);
 using RowsKernels = std::array<std::array<RowsFn, kRows>, 3>;
 
 template <bool Avx512, int F, int R>
 void rows_kernel(const Problem& p, int64_t row, int64_t panel) {
   if constexpr (Avx512) {
-    rows_avx512<F, R, kPanelsAtOnce>(p, row, panel);
+    rows_avx512<F, R>(p, row, panel);
   } else {
-    rows_avx2<F, R, kPanelsAtOnce>(p, row, panel);
+    rows_avx2<F, R>(p, row, panel);
   }
 }
 template <bool Avx512, int F>
@@ -474,7 +399,6 @@ constexpr RowsKernels kAvx512Rows{by_rows<true, kF32>(), by_rows<true, kQ4>(), b
 // Panels [begin, end) for every x row. Rows go in as few groups of at most kRows as cover them, of even
 // sizes (6 rows: 3 + 3, not 4 + 2: every group keeps enough chains).
 void rows_panels(const Problem& p, int64_t begin, int64_t end, const RowsKernels& kernels) {
-  static_assert(kPanelsAtOnce == 1, "a last group of fewer panels needs its own kernel");
   const int64_t groups = (p.rows + kRows - 1) / kRows, most = (p.rows + groups - 1) / groups;
   for (int64_t panel = begin; panel < end; ++panel) {
     for (int64_t row = 0; row < p.rows; row += most) {
