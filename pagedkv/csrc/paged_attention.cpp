@@ -63,9 +63,12 @@ static_assert(kTile % kLanes == 0 && kLanes % kKeys == 0, "a tile is whole vecto
 // thread: waiting for a thread to be scheduled costs milliseconds when the cores are busy. The engine calls
 // this between panel GEMMs, whose threads are still spinning, so on a quiet machine a second thread starts at
 // once. Measured (one decode per layer, SmolLM2's 9 / 3 heads of 64, AMD EPYC Zen 5, 2 threads): a 1,000-token
-// decode 194 -> 116 us a layer, its partitions and KV heads shared out; a 300-token one, just past the floor,
-// 23-24 us on one thread or two.
-constexpr int64_t kWorkPerThread = int64_t{1} << 17;
+// decode 194 -> 116 us a layer, its partitions and KV heads shared out. Alone, with its K/V in cache, a
+// 300-token one took 23-24 us on one thread or two; but in the engine its K/V come from memory (the step's
+// weights have gone through the caches since the layer's last step), and a 330-400-token decode took 39-54 us
+// a layer on two threads against 58-60 on one (torch.profiler over 64-token generations, alternating builds),
+// so the floor sits below it: ~110 tokens of context for this model.
+constexpr int64_t kWorkPerThread = int64_t{1} << 16;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
