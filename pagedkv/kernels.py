@@ -2,7 +2,8 @@
 
 - :data:`portable` (``csrc/paged_attention.cpp``, ``rms_norm.cpp``, ``pointwise.cpp``, sharing ``csrc/simd.h``):
   attention over the paged pool, RMSNorm with the residual add, SiLU-and-multiply, RoPE. Written
-  against the compiler's vector types, so it builds wherever a C++ compiler does.
+  against the compiler's vector types, so it builds wherever a C++ compiler does. Also ``decoder_stack.cpp``,
+  which runs a model's layers through these ops (and the GEMM, found by name) in one call from Python.
 - :data:`gemm` (``csrc/panel_linear.cpp``): the panel GEMM, written for AVX2 + FMA. A CPU without them
   loses only this library: the linear layers run on torch's GEMM and everything else stays compiled.
 
