@@ -10,16 +10,14 @@
 //   q4:   per group of 32 k, 384 bytes: codes [16 k-pairs][16 outputs] (byte = q[2p] | q[2p + 1] << 4),
 //         then float d[16], then float m[16];  w = d * q + m, q in 0..15 (GGUF Q4_1).
 //   q8:   per group of 32 k, 576 bytes: int8 codes [32 k][16 outputs], then float d[16];  w = d * q (Q8_0).
-//   The groups' records are stored with each pair of 256-k chunks interleaved (record_slot, below).
 //
 // Two ways through, by the number of rows M:
 //   - tiled (M > 8: prefill, big batches): a quantised panel is expanded to fp32, 256 k at a time, into an
 //     L1-resident buffer and then multiplied like an fp32 one, 6 rows per register tile: the expansion is
 //     paid once per call and panel, not once per row.
-//   - registers (M <= 8: decode): each k's weights of one panel are de-quantised straight into registers
-//     and used by up to 4 rows at once, with software prefetch, two chunks' chains at a time for the
-//     quantised formats; at one row this keeps up with the memory, where the tiled path waits on its FMA
-//     chains.
+//   - registers (M <= 8: decode): each k's weights of 4 panels (AVX-512) or 2 (AVX2) are de-quantised
+//     straight into registers and used by up to 4 rows at once, with software prefetch; at one row this
+//     reads the weights at close to memory speed, where the tiled path waits on its FMA chains.
 //
 // Every output is summed in the same order on both (fused multiply-adds over k within 256-wide chunks, then
 // the chunks), whatever M, the row's position in the batch, the thread split or the vector width: a
@@ -61,24 +59,11 @@ struct Problem {
   int64_t rows, n, k, format, panel_bytes;
 };
 
-constexpr int64_t kChunkGroups = kChunk / kGroup;  // 8 groups of 32 k in a 256-k chunk
-
-// The slot of group g's record in a quantised panel of `groups` groups. Each pair of 256-k chunks (A, B) is
-// stored interleaved -- A's group 0, B's group 0, A's group 1, ... -- so that the register kernels, which keep
-// one chain of sums per chunk, walk two chains in one sequential stream; where B is short (K's last chunk) or
-// missing, A's remaining groups follow in order. pagedkv/model/panel.py packs in this order.
-inline int64_t record_slot(int64_t g, int64_t groups) {
-  const int64_t first = g / (2 * kChunkGroups) * (2 * kChunkGroups), i = g - first;
-  const int64_t partner = std::clamp<int64_t>(groups - first - kChunkGroups, 0, kChunkGroups);
-  if (i >= kChunkGroups) return first + 2 * (i - kChunkGroups) + 1;
-  return i < partner ? first + 2 * i : first + partner + i;
-}
-
-// Expand q4 groups covering k in [k0, k0 + kc) of one panel (of `groups` groups) into out[kc][16].
-void expand_q4(const uint8_t* panel, int64_t groups, int64_t k0, int64_t kc, float* out) {
+// Expand q4 groups covering k in [k0, k0 + kc) of one panel into out[kc][16].
+void expand_q4(const uint8_t* panel, int64_t k0, int64_t kc, float* out) {
   const __m128i low = _mm_set1_epi8(0x0F);
   for (int64_t g = k0 / kGroup; g < (k0 + kc) / kGroup; ++g) {
-    const uint8_t* record = panel + record_slot(g, groups) * kQ4Record;
+    const uint8_t* record = panel + g * kQ4Record;
     const float* d = reinterpret_cast<const float*>(record + kPanel * kGroup / 2);
     const float* m = d + kPanel;
     const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
@@ -99,10 +84,10 @@ void expand_q4(const uint8_t* panel, int64_t groups, int64_t k0, int64_t kc, flo
   }
 }
 
-// Expand q8 groups covering k in [k0, k0 + kc) of one panel (of `groups` groups) into out[kc][16].
-void expand_q8(const uint8_t* panel, int64_t groups, int64_t k0, int64_t kc, float* out) {
+// Expand q8 groups covering k in [k0, k0 + kc) of one panel into out[kc][16].
+void expand_q8(const uint8_t* panel, int64_t k0, int64_t kc, float* out) {
   for (int64_t g = k0 / kGroup; g < (k0 + kc) / kGroup; ++g) {
-    const uint8_t* record = panel + record_slot(g, groups) * kQ8Record;
+    const uint8_t* record = panel + g * kQ8Record;
     const float* d = reinterpret_cast<const float*>(record + kPanel * kGroup);
     const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
     float* o = out + (g * kGroup - k0) * kPanel;
@@ -120,8 +105,8 @@ void expand_q8(const uint8_t* panel, int64_t groups, int64_t k0, int64_t kc, flo
 inline const float* panel_chunk(const Problem& p, int64_t panel, int64_t k0, int64_t kc, float* buf) {
   const uint8_t* base = p.w + panel * p.panel_bytes;
   switch (p.format) {
-    case kQ4: expand_q4(base, p.k / kGroup, k0, kc, buf); return buf;
-    case kQ8: expand_q8(base, p.k / kGroup, k0, kc, buf); return buf;
+    case kQ4: expand_q4(base, k0, kc, buf); return buf;
+    case kQ8: expand_q8(base, k0, kc, buf); return buf;
     default: return reinterpret_cast<const float*>(base) + k0 * kPanel;
   }
 }
@@ -197,16 +182,9 @@ void panels(const Problem& p, int64_t begin, int64_t end) {
 // linears in model order, interleaved in one process) one panel at a time beat 2 and 4 side by side at every R
 // from 1 to 4 and in both instruction sets by 10-25 % (gguf, one row: 6.8 / 8.0 / 8.4 ms for 1 / 2 / 4 panels
 // with AVX-512; fp32: 16.5 / 20.5 / 20.8 ms), and in the engine one request decoded 92 / 84 / 76 tokens/s.
-// One stream per thread, read in order, is what the prefetchers follow best.
-//
-// A quantised panel is de-quantised at ~10 GB/s of codes per thread, below what the memory gives two threads,
-// and at one row every FMA of a chunk waits for the one before. Each 256-k chunk's sums are a chain of their
-// own, so the kernels keep two chunks' chains going at once (A's group, then B's, in turn) -- and the packer
-// stores each chunk pair's groups in that order (record_slot), so the two chains still come from one
-// sequential stream. Measured (Zen 5): one thread, weights in cache, one row, 3072 x 576 q4 with AVX-512 in
-// 93 us against 123-137 (9.4-9.7 -> 13.5-14.1 GB/s); in the engine the 121 GEMMs' calls 42-47 against 49-53
-// us on average and one request 126-137 against 115-124 tokens/s (torch.profiler, alternating builds).
-// Walking the two chunks where they lay (3 KiB apart, two streams) had lost: 86-100 against 117-130 tokens/s.
+// More independent FMA chains did not pay either: walking two 256-k chunks of a panel side by side (each
+// chunk's sums are a chain of their own, so the bits stay the same) took one request from 117-130 down to
+// 86-100 tokens/s. One stream per thread, read in order, is what the prefetchers follow best.
 //
 // The arithmetic is exactly tile<>'s, in the same order: per 256-k chunk, every output is a chain of FMAs
 // from zero over k ascending, and the chunk sums are added in chunk order; the weights are de-quantised as
@@ -232,7 +210,9 @@ PAGEDKV_INLINE void prefetch(const uint8_t* panel, int64_t offset, int64_t bytes
     _mm_prefetch(reinterpret_cast<const char*>(panel + offset + kAhead + line), _MM_HINT_T0);
 }
 
-// A kernel's unit of work is one k of an fp32 panel, or one group of 32 k (a record) of a quantised one.
+// A unit of work is one k of an fp32 panel, or one group of 32 k of a quantised one.
+template <int Format>
+constexpr int64_t kUnit = Format == kF32 ? 1 : kGroup;
 
 // -- AVX2: a panel's 16 outputs are two registers, [0] (outputs 0-7) and [1] (8-15).
 
@@ -247,17 +227,18 @@ PAGEDKV_INLINE void fma_rows_avx2(const float* x, int64_t ldx, const __m256 (&w)
   }
 }
 
-// acc += the x rows' products with one unit of a panel: its weights at rec, x at the unit's first k (xk).
+// acc += the x rows' products with unit u of the panel at w.
 template <int Format, int R>
-PAGEDKV_INLINE void unit_avx2(const Problem& p, const uint8_t* rec, const float* xk, __m256 (&acc)[R][2]) {
+PAGEDKV_INLINE void unit_avx2(const Problem& p, const uint8_t* w, const float* x, int64_t u, __m256 (&acc)[R][2]) {
   if constexpr (Format == kF32) {
-    prefetch(rec, 0, kPanel * sizeof(float));
-    const float* src = reinterpret_cast<const float*>(rec);
+    const int64_t offset = u * kPanel * sizeof(float);
+    prefetch(w, offset, kPanel * sizeof(float));
+    const float* src = reinterpret_cast<const float*>(w + offset);
     const __m256 wk[2] = {_mm256_loadu_ps(src), _mm256_loadu_ps(src + 8)};
-    fma_rows_avx2<R>(xk, p.k, wk, acc);
+    fma_rows_avx2<R>(x + u, p.k, wk, acc);
   } else if constexpr (Format == kQ4) {
-    prefetch(rec, 0, kQ4Record);
-    const uint8_t* codes = rec;
+    prefetch(w, u * kQ4Record, kQ4Record);
+    const uint8_t* codes = w + u * kQ4Record;
     const float* scales = reinterpret_cast<const float*>(codes + kQ4Scales);
     const __m256 d[2] = {_mm256_loadu_ps(scales), _mm256_loadu_ps(scales + 8)};
     const __m256 m[2] = {_mm256_loadu_ps(scales + kPanel), _mm256_loadu_ps(scales + kPanel + 8)};
@@ -273,12 +254,12 @@ PAGEDKV_INLINE void unit_avx2(const Problem& p, const uint8_t* rec, const float*
         even[h] = _mm256_add_ps(_mm256_mul_ps(q0, d[h]), m[h]);
         odd[h] = _mm256_add_ps(_mm256_mul_ps(q1, d[h]), m[h]);
       }
-      fma_rows_avx2<R>(xk + 2 * pair, p.k, even, acc);
-      fma_rows_avx2<R>(xk + 2 * pair + 1, p.k, odd, acc);
+      fma_rows_avx2<R>(x + u * kGroup + 2 * pair, p.k, even, acc);
+      fma_rows_avx2<R>(x + u * kGroup + 2 * pair + 1, p.k, odd, acc);
     }
   } else {
-    prefetch(rec, 0, kQ8Record);
-    const uint8_t* codes = rec;
+    prefetch(w, u * kQ8Record, kQ8Record);
+    const uint8_t* codes = w + u * kQ8Record;
     const float* scales = reinterpret_cast<const float*>(codes + kQ8Scales);
     const __m256 d[2] = {_mm256_loadu_ps(scales), _mm256_loadu_ps(scales + 8)};
     for (int64_t i = 0; i < kGroup; ++i) {
@@ -289,56 +270,28 @@ PAGEDKV_INLINE void unit_avx2(const Problem& p, const uint8_t* rec, const float*
             _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i * kPanel + 8 * h)));
         wk[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(q), d[h]);
       }
-      fma_rows_avx2<R>(xk + i, p.k, wk, acc);
+      fma_rows_avx2<R>(x + u * kGroup + i, p.k, wk, acc);
     }
   }
 }
 
-// y[row, row + R) x [the panel's outputs] = x W^T: an fp32 panel chunk after chunk (its one chain already
-// waits on memory, not on FMAs), a quantised one a chunk pair at a time. Every loop over r, c or h is unrolled:
+// y[row, row + R) x [the panel's outputs] = x W^T, chunk after chunk. Every loop over r, c or h is unrolled:
 // the arrays then live in registers (an array indexed in a loop that is not, lives on the stack).
 template <int Format, int R>
 void rows_avx2(const Problem& p, int64_t row, int64_t panel) {
   const uint8_t* w = p.w + panel * p.panel_bytes;
   const float* x = p.x + row * p.k;
   __m256 sum[R][2] = {};  // set by the first chunk (the zeros only quiet -Wmaybe-uninitialized)
-  __m256 acc[2][R][2];     // chunks A and B of a pair
-  const auto zero = [&](int c) {
+  for (int64_t k0 = 0; k0 < p.k; k0 += kChunk) {
+    __m256 acc[R][2];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) acc[c][r][0] = acc[c][r][1] = _mm256_setzero_ps();
-  };
-  const auto join = [&](int c, bool first) {  // a chunk's sums join the total in chunk order, as tile<> adds them
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t u = k0 / kUnit<Format>; u < std::min(k0 + kChunk, p.k) / kUnit<Format>; ++u)
+      unit_avx2<Format, R>(p, w, x, u, acc);
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r)  // the chunk's sums join the total in chunk order, as tile<> adds them to y
 #pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) sum[r][h] = first ? acc[c][r][h] : _mm256_add_ps(sum[r][h], acc[c][r][h]);
-  };
-  if constexpr (Format == kF32) {
-    for (int64_t k0 = 0; k0 < p.k; k0 += kChunk) {
-      zero(0);
-      for (int64_t k = k0; k < std::min(k0 + kChunk, p.k); ++k)
-        unit_avx2<Format, R>(p, w + k * kPanel * sizeof(float), x + k, acc[0]);
-      join(0, k0 == 0);
-    }
-  } else {
-    constexpr int64_t kRecord = Format == kQ4 ? kQ4Record : kQ8Record;
-    const int64_t groups = p.k / kGroup;
-    for (int64_t first = 0; first < groups; first += 2 * kChunkGroups) {
-      const int64_t a = std::min(kChunkGroups, groups - first);
-      const int64_t b = std::clamp<int64_t>(groups - first - kChunkGroups, 0, kChunkGroups);
-      const uint8_t* rec = w + first * kRecord;  // the pair's records, interleaved (record_slot)
-      const float* xa = x + first * kGroup;
-      const float* xb = xa + kChunk;
-      zero(0);
-      zero(1);
-      for (int64_t i = 0; i < b; ++i) {
-        unit_avx2<Format, R>(p, rec + 2 * i * kRecord, xa + i * kGroup, acc[0]);
-        unit_avx2<Format, R>(p, rec + (2 * i + 1) * kRecord, xb + i * kGroup, acc[1]);
-      }
-      for (int64_t i = b; i < a; ++i) unit_avx2<Format, R>(p, rec + (b + i) * kRecord, xa + i * kGroup, acc[0]);
-      join(0, first == 0);
-      if (b > 0) join(1, false);
-    }
+      for (int h = 0; h < 2; ++h) sum[r][h] = k0 == 0 ? acc[r][h] : _mm256_add_ps(sum[r][h], acc[r][h]);
   }
   const int64_t cols = std::min(kPanel, p.n - panel * kPanel);  // < 16 in a last, padded panel
 #pragma GCC unroll 4
@@ -367,14 +320,15 @@ PAGEDKV_AVX512 PAGEDKV_INLINE void fma_rows_avx512(const float* x, int64_t ldx, 
 }
 
 template <int Format, int R>
-PAGEDKV_AVX512 PAGEDKV_INLINE void unit_avx512(const Problem& p, const uint8_t* rec, const float* xk,
+PAGEDKV_AVX512 PAGEDKV_INLINE void unit_avx512(const Problem& p, const uint8_t* w, const float* x, int64_t u,
                                                __m512 (&acc)[R]) {
   if constexpr (Format == kF32) {
-    prefetch(rec, 0, kPanel * sizeof(float));
-    fma_rows_avx512<R>(xk, p.k, _mm512_loadu_ps(rec), acc);
+    const int64_t offset = u * kPanel * sizeof(float);
+    prefetch(w, offset, kPanel * sizeof(float));
+    fma_rows_avx512<R>(x + u, p.k, _mm512_loadu_ps(w + offset), acc);
   } else if constexpr (Format == kQ4) {
-    prefetch(rec, 0, kQ4Record);
-    const uint8_t* codes = rec;
+    prefetch(w, u * kQ4Record, kQ4Record);
+    const uint8_t* codes = w + u * kQ4Record;
     const __m512 d = _mm512_loadu_ps(codes + kQ4Scales), m = _mm512_loadu_ps(codes + kQ4Scales + kPanel * 4);
     const __m512i low = _mm512_set1_epi32(0x0F);
     for (int64_t pair = 0; pair < kGroup / 2; ++pair) {
@@ -382,16 +336,16 @@ PAGEDKV_AVX512 PAGEDKV_INLINE void unit_avx512(const Problem& p, const uint8_t* 
           _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + pair * kPanel)));
       const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low));
       const __m512 q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
-      fma_rows_avx512<R>(xk + 2 * pair, p.k, _mm512_add_ps(_mm512_mul_ps(q0, d), m), acc);
-      fma_rows_avx512<R>(xk + 2 * pair + 1, p.k, _mm512_add_ps(_mm512_mul_ps(q1, d), m), acc);
+      fma_rows_avx512<R>(x + u * kGroup + 2 * pair, p.k, _mm512_add_ps(_mm512_mul_ps(q0, d), m), acc);
+      fma_rows_avx512<R>(x + u * kGroup + 2 * pair + 1, p.k, _mm512_add_ps(_mm512_mul_ps(q1, d), m), acc);
     }
   } else {
-    prefetch(rec, 0, kQ8Record);
-    const uint8_t* codes = rec;
+    prefetch(w, u * kQ8Record, kQ8Record);
+    const uint8_t* codes = w + u * kQ8Record;
     const __m512 d = _mm512_loadu_ps(codes + kQ8Scales);
     for (int64_t i = 0; i < kGroup; ++i) {
       const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i * kPanel)));
-      fma_rows_avx512<R>(xk + i, p.k, _mm512_mul_ps(_mm512_cvtepi32_ps(q), d), acc);
+      fma_rows_avx512<R>(x + u * kGroup + i, p.k, _mm512_mul_ps(_mm512_cvtepi32_ps(q), d), acc);
     }
   }
 }
@@ -401,38 +355,14 @@ PAGEDKV_AVX512 void rows_avx512(const Problem& p, int64_t row, int64_t panel) {
   const uint8_t* w = p.w + panel * p.panel_bytes;
   const float* x = p.x + row * p.k;
   __m512 sum[R] = {};
-  __m512 acc[2][R];
-  if constexpr (Format == kF32) {
-    for (int64_t k0 = 0; k0 < p.k; k0 += kChunk) {
+  for (int64_t k0 = 0; k0 < p.k; k0 += kChunk) {
+    __m512 acc[R];
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) acc[0][r] = _mm512_setzero_ps();
-      for (int64_t k = k0; k < std::min(k0 + kChunk, p.k); ++k)
-        unit_avx512<Format, R>(p, w + k * kPanel * sizeof(float), x + k, acc[0]);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t u = k0 / kUnit<Format>; u < std::min(k0 + kChunk, p.k) / kUnit<Format>; ++u)
+      unit_avx512<Format, R>(p, w, x, u, acc);
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) sum[r] = k0 == 0 ? acc[0][r] : _mm512_add_ps(sum[r], acc[0][r]);
-    }
-  } else {
-    constexpr int64_t kRecord = Format == kQ4 ? kQ4Record : kQ8Record;
-    const int64_t groups = p.k / kGroup;
-    for (int64_t first = 0; first < groups; first += 2 * kChunkGroups) {
-      const int64_t a = std::min(kChunkGroups, groups - first);
-      const int64_t b = std::clamp<int64_t>(groups - first - kChunkGroups, 0, kChunkGroups);
-      const uint8_t* rec = w + first * kRecord;
-      const float* xa = x + first * kGroup;
-      const float* xb = xa + kChunk;
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
-      for (int64_t i = 0; i < b; ++i) {
-        unit_avx512<Format, R>(p, rec + 2 * i * kRecord, xa + i * kGroup, acc[0]);
-        unit_avx512<Format, R>(p, rec + (2 * i + 1) * kRecord, xb + i * kGroup, acc[1]);
-      }
-      for (int64_t i = b; i < a; ++i) unit_avx512<Format, R>(p, rec + (b + i) * kRecord, xa + i * kGroup, acc[0]);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        sum[r] = first == 0 ? acc[0][r] : _mm512_add_ps(sum[r], acc[0][r]);
-        if (b > 0) sum[r] = _mm512_add_ps(sum[r], acc[1][r]);
-      }
-    }
+    for (int r = 0; r < R; ++r) sum[r] = k0 == 0 ? acc[r] : _mm512_add_ps(sum[r], acc[r]);
   }
   const int64_t cols = std::min(kPanel, p.n - panel * kPanel);
 #pragma GCC unroll 4
@@ -559,7 +489,7 @@ at::Tensor panel_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t n
       continue;
     }
     for (int64_t g = 0; g < k / kGroup; ++g) {
-      const uint8_t* rec = base + record_slot(g, k / kGroup) * (format == kQ4 ? kQ4Record : kQ8Record);
+      const uint8_t* rec = base + g * (format == kQ4 ? kQ4Record : kQ8Record);
       float* o = row + g * kGroup;
       if (format == kQ4) {
         const float d = at_float(rec + kPanel * kGroup / 2, lane), m = at_float(rec + kPanel * kGroup / 2, kPanel + lane);

@@ -6,7 +6,6 @@ time, in one of three formats:
 
 - ``"fp32"``: the weights themselves, reordered (a second copy of them, 4 bytes a weight).
 - ``"q4"``: the GGUF file's Q4_1 codes (``w = d * q + m`` per 32 weights) -- 0.75 bytes a weight instead of 4.
-  A panel's groups of 32 are stored with each pair of 256-k chunks interleaved (see ``_record_order``).
 - ``"q8"``: Q8_0 codes (``w = d * q``), which is how the default model stores its tied embedding / LM
   head -- 1.125 bytes a weight.
 
@@ -29,7 +28,6 @@ from pagedkv.model import codes
 
 PANEL = 16
 GROUP = codes.GROUP
-CHUNK_GROUPS = 256 // GROUP  # groups in one 256-k chunk, the unit the GEMM sums in (kChunk in the C++)
 FORMATS = {"fp32": 0, "q4": 1, "q8": 2}
 
 
@@ -67,21 +65,7 @@ def pack(weight: Tensor, format: str) -> PanelWeight | None:
         by_k = by_k[:, :, 0::2] | (by_k[:, :, 1::2] << 4)
     parts = [by_k.contiguous().view(torch.uint8).flatten(2)]
     parts += [_by_group(s.unsqueeze(-1), n, groups).contiguous().view(torch.uint8).flatten(2) for s in scales]
-    records = torch.cat(parts, dim=-1)  # [panels, groups, record bytes]
-    return PanelWeight(records[:, _record_order(groups)].contiguous(), n, k, format)
-
-
-def _record_order(groups: int) -> Tensor:
-    """The group stored in each record slot of a quantised panel: each pair of 256-k chunks (A, B) interleaved,
-    A's group 0, B's group 0, A's group 1, ..., then A's groups past the end of a short B. The register kernels
-    keep one chain of sums per chunk, so this lets them walk two chains in one sequential stream (the C++
-    ``record_slot`` is the inverse)."""
-    order: list[int] = []
-    for first in range(0, groups, 2 * CHUNK_GROUPS):
-        a = list(range(first, min(first + CHUNK_GROUPS, groups)))
-        b = list(range(first + CHUNK_GROUPS, min(first + 2 * CHUNK_GROUPS, groups)))
-        order += [g for pair in zip(a, b) for g in pair] + a[len(b) :]
-    return torch.tensor(order, dtype=torch.int64)
+    return PanelWeight(torch.cat(parts, dim=-1).contiguous(), n, k, format)
 
 
 def _pad_rows(t: Tensor, n: int) -> Tensor:
