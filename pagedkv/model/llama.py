@@ -32,9 +32,9 @@ from pagedkv.model.decoder_stack import DecoderStack, stack_for
 from pagedkv.model.layers import WEIGHT_FORMATS, Linear, LMHead, RMSNorm, SwiGLU, empty_parameter
 from pagedkv.model.rope import RotaryEmbedding, apply_rope
 from pagedkv.model.spec import ModelSpec
+from pagedkv.model.weight_names import weight_targets
 from pagedkv.parallel.group import SINGLE, TensorParallel
 
-WeightLoader = Callable[[Tensor], None]
 _CODES = ("q4", "q8")  # exact checkpoint codes a panel can hold, fewest bytes first
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -237,7 +237,7 @@ class LlamaForCausalLM(nn.Module):
         Each tensor is read once, when its turn comes, layer after layer, and ``after_layer`` is called on
         each decoder layer once it is complete. With a lazy mapping (the loader's) and packing in
         ``after_layer``, the whole checkpoint is never in memory twice: peak memory stays near the final."""
-        targets = self._weight_targets()
+        targets = weight_targets(self)
         names = {n for n in tensors if not n.endswith(_IGNORED_SUFFIXES)}
         if self.spec.tie_word_embeddings:
             names.discard("lm_head.weight")
@@ -254,65 +254,3 @@ class LlamaForCausalLM(nn.Module):
                     targets[name](tensors[name])
                 if index >= 0 and after_layer is not None:
                     after_layer(self.layers[index])
-
-    def _weight_targets(self) -> dict[str, WeightLoader]:
-        """HF parameter name -> function that copies that tensor into its (possibly fused) place."""
-        spec, tp = self.spec, self.tp
-        vocab = _sharded(lambda t: tp.shard_vocab(t, spec.vocab_size))
-        targets: dict[str, WeightLoader] = {
-            "model.embed_tokens.weight": vocab(_copier(self.embed_tokens)),
-            "model.norm.weight": _copier(self.norm.weight),
-        }
-        if not spec.tie_word_embeddings:
-            targets["lm_head.weight"] = vocab(_copier(self.lm_head.weight))
-        columns, rows = _sharded(lambda t: tp.shard(t, 0)), _sharded(lambda t: tp.shard(t, 1))
-        once = _sharded(lambda t: t if tp.is_driver else torch.zeros_like(t))  # a row-parallel bias: added once
-        if tp.exact:  # o_proj and down_proj split by output rows, like the column-parallel layers
-            rows = once = columns
-        for i, layer in enumerate(self.layers):
-            prefix = f"model.layers.{i}."
-            attn, mlp = layer.self_attn, layer.mlp
-            q_size, kv_size = attn.num_heads * spec.head_dim, attn.num_kv_heads * spec.head_dim
-            # (name, layer, first row in the fused local weight, how weight and bias are sharded)
-            fused = [
-                ("self_attn.q_proj", attn.qkv_proj, 0, columns, columns, spec.qkv_bias),
-                ("self_attn.k_proj", attn.qkv_proj, q_size, columns, columns, spec.qkv_bias),
-                ("self_attn.v_proj", attn.qkv_proj, q_size + kv_size, columns, columns, spec.qkv_bias),
-                ("self_attn.o_proj", attn.o_proj, 0, rows, once, spec.o_bias),
-                ("mlp.gate_proj", mlp.gate_up_proj, 0, columns, columns, spec.mlp_bias),
-                ("mlp.up_proj", mlp.gate_up_proj, mlp.intermediate, columns, columns, spec.mlp_bias),
-                ("mlp.down_proj", mlp.down_proj, 0, rows, once, spec.mlp_bias),
-            ]
-            for name, linear, offset, weight_shard, bias_shard, has_bias in fused:
-                targets[f"{prefix}{name}.weight"] = weight_shard(_part_copier(linear, "weight", offset))
-                if has_bias:
-                    targets[f"{prefix}{name}.bias"] = bias_shard(_part_copier(linear, "bias", offset))
-            for norm in ("input_layernorm", "post_attention_layernorm"):
-                targets[f"{prefix}{norm}.weight"] = _copier(getattr(layer, norm).weight)
-            if attn.qk_norm_weight is not None:  # each head's row gets the same per-channel weight
-                q_rows, k_rows = attn.qk_norm_weight.split([attn.num_heads, attn.num_kv_heads])
-                targets[prefix + "self_attn.q_norm.weight"] = _copier(q_rows, broadcast=True)
-                targets[prefix + "self_attn.k_norm.weight"] = _copier(k_rows, broadcast=True)
-        return targets
-
-
-def _copier(param: Tensor, broadcast: bool = False) -> WeightLoader:
-    def copy(tensor: Tensor) -> None:
-        shape_ok = tensor.shape == param.shape[-tensor.dim() :] if broadcast else tensor.shape == param.shape
-        if not shape_ok:
-            raise ValueError(
-                f"checkpoint tensor of shape {tuple(tensor.shape)} does not fit a parameter of shape "
-                f"{tuple(param.shape)}: the config does not match the weights"
-            )
-        param.data.copy_(tensor)
-
-    return copy
-
-
-def _part_copier(linear: Linear, kind: str, offset: int) -> WeightLoader:
-    return lambda tensor: linear.load_part(kind, offset, tensor)
-
-
-def _sharded(shard: Callable[[Tensor], Tensor]) -> Callable[[WeightLoader], WeightLoader]:
-    """Wrap a loader so it receives this rank's shard of the checkpoint tensor."""
-    return lambda load: lambda tensor: load(shard(tensor))

@@ -1,0 +1,84 @@
+"""Where each tensor of a Hugging Face checkpoint goes in :class:`~pagedkv.model.llama.LlamaForCausalLM`.
+
+The model fuses q/k/v and gate/up into one linear layer each and, with tensor parallelism, keeps only this
+rank's shard; a checkpoint names the unfused, whole tensors. :func:`weight_targets` maps every HF parameter
+name to a loader that shards the tensor and copies it into its rows of the fused parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from pagedkv.model.layers import Linear
+
+if TYPE_CHECKING:
+    from pagedkv.model.llama import LlamaForCausalLM
+
+WeightLoader = Callable[[Tensor], None]
+
+
+def weight_targets(model: LlamaForCausalLM) -> dict[str, WeightLoader]:
+    """HF parameter name -> function that copies that tensor into its (possibly fused) place."""
+    spec, tp = model.spec, model.tp
+    vocab = _sharded(lambda t: tp.shard_vocab(t, spec.vocab_size))
+    targets: dict[str, WeightLoader] = {
+        "model.embed_tokens.weight": vocab(_copier(model.embed_tokens)),
+        "model.norm.weight": _copier(model.norm.weight),
+    }
+    if not spec.tie_word_embeddings:
+        targets["lm_head.weight"] = vocab(_copier(model.lm_head.weight))
+    columns, rows = _sharded(lambda t: tp.shard(t, 0)), _sharded(lambda t: tp.shard(t, 1))
+    once = _sharded(lambda t: t if tp.is_driver else torch.zeros_like(t))  # a row-parallel bias: added once
+    if tp.exact:  # o_proj and down_proj split by output rows, like the column-parallel layers
+        rows = once = columns
+    for i, layer in enumerate(model.layers):
+        prefix = f"model.layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        q_size, kv_size = attn.num_heads * spec.head_dim, attn.num_kv_heads * spec.head_dim
+        # (name, layer, first row in the fused local weight, how weight and bias are sharded)
+        fused = [
+            ("self_attn.q_proj", attn.qkv_proj, 0, columns, columns, spec.qkv_bias),
+            ("self_attn.k_proj", attn.qkv_proj, q_size, columns, columns, spec.qkv_bias),
+            ("self_attn.v_proj", attn.qkv_proj, q_size + kv_size, columns, columns, spec.qkv_bias),
+            ("self_attn.o_proj", attn.o_proj, 0, rows, once, spec.o_bias),
+            ("mlp.gate_proj", mlp.gate_up_proj, 0, columns, columns, spec.mlp_bias),
+            ("mlp.up_proj", mlp.gate_up_proj, mlp.intermediate, columns, columns, spec.mlp_bias),
+            ("mlp.down_proj", mlp.down_proj, 0, rows, once, spec.mlp_bias),
+        ]
+        for name, linear, offset, weight_shard, bias_shard, has_bias in fused:
+            targets[f"{prefix}{name}.weight"] = weight_shard(_part_copier(linear, "weight", offset))
+            if has_bias:
+                targets[f"{prefix}{name}.bias"] = bias_shard(_part_copier(linear, "bias", offset))
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            targets[f"{prefix}{norm}.weight"] = _copier(getattr(layer, norm).weight)
+        if attn.qk_norm_weight is not None:  # each head's row gets the same per-channel weight
+            q_rows, k_rows = attn.qk_norm_weight.split([attn.num_heads, attn.num_kv_heads])
+            targets[prefix + "self_attn.q_norm.weight"] = _copier(q_rows, broadcast=True)
+            targets[prefix + "self_attn.k_norm.weight"] = _copier(k_rows, broadcast=True)
+    return targets
+
+
+def _copier(param: Tensor, broadcast: bool = False) -> WeightLoader:
+    def copy(tensor: Tensor) -> None:
+        shape_ok = tensor.shape == param.shape[-tensor.dim() :] if broadcast else tensor.shape == param.shape
+        if not shape_ok:
+            raise ValueError(
+                f"checkpoint tensor of shape {tuple(tensor.shape)} does not fit a parameter of shape "
+                f"{tuple(param.shape)}: the config does not match the weights"
+            )
+        param.data.copy_(tensor)
+
+    return copy
+
+
+def _part_copier(linear: Linear, kind: str, offset: int) -> WeightLoader:
+    return lambda tensor: linear.load_part(kind, offset, tensor)
+
+
+def _sharded(shard: Callable[[Tensor], Tensor]) -> Callable[[WeightLoader], WeightLoader]:
+    """Wrap a loader so it receives this rank's shard of the checkpoint tensor."""
+    return lambda load: lambda tensor: load(shard(tensor))
