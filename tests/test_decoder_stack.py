@@ -54,19 +54,25 @@ def model(weights: str, attention=None, **config) -> LlamaForCausalLM:
     return m
 
 
-def run_steps(m: LlamaForCausalLM, fused: bool) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Every row's final hidden state of each step, and the pools after them; counts the modules' calls."""
-    m.fused_layers = fused
+def new_pools() -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (16, BLOCK, CONFIG["num_key_value_heads"], 64)
-    pools = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(CONFIG["num_hidden_layers"])]
-    g = torch.Generator().manual_seed(1)
-    hidden = []
-    for tables, query_lens, seq_lens in STEPS:
-        meta = m.attention.build_metadata(tables, query_lens, seq_lens, BLOCK)
-        positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens, strict=True)])
-        ids = torch.randint(CONFIG["vocab_size"], (len(positions),), generator=g)
-        hidden.append(m.hidden_states(ids, positions, meta, pools, torch.arange(len(positions))))
-    return hidden, pools
+    return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(CONFIG["num_hidden_layers"])]
+
+
+def run_step(m: LlamaForCausalLM, step: int, pools: list, g: torch.Generator) -> torch.Tensor:
+    """Every row's final hidden state of ``STEPS[step]``."""
+    tables, query_lens, seq_lens = STEPS[step]
+    meta = m.attention.build_metadata(tables, query_lens, seq_lens, BLOCK)
+    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens, strict=True)])
+    ids = torch.randint(CONFIG["vocab_size"], (len(positions),), generator=g)
+    return m.hidden_states(ids, positions, meta, pools, torch.arange(len(positions)))
+
+
+def run_steps(m: LlamaForCausalLM, fused: bool) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Every row's final hidden state of each step, and the pools after them."""
+    m.fused_layers = fused
+    pools, g = new_pools(), torch.Generator().manual_seed(1)
+    return [run_step(m, i, pools, g) for i in range(len(STEPS))], pools
 
 
 @pytest.mark.parametrize("weights", ["fp32", "q4"])
@@ -107,3 +113,14 @@ def test_the_stack_refuses_pools_that_do_not_match_its_layers() -> None:
     pools = [(torch.zeros(16, BLOCK, 2, 64), torch.zeros(16, BLOCK, 2, 64))]
     with pytest.raises(ValueError, match="one k and one v pool per layer"):
         stack._stack.bind_pools([k for k, _ in pools], [v for _, v in pools])
+
+
+def test_pools_replaced_between_steps_are_the_ones_written() -> None:
+    """The stack binds the pools once, and again whenever the caller's pairs are other tensors, even in the
+    same list: a stale binding would write the step's K/V where nobody reads them."""
+    m = model("fp32")
+    pools, g = new_pools(), torch.Generator().manual_seed(1)
+    run_step(m, 0, pools, g)
+    pools[0] = (torch.zeros_like(pools[0][0]), torch.zeros_like(pools[0][1]))  # the same list, a new pair
+    run_step(m, 0, pools, torch.Generator().manual_seed(1))
+    assert pools[0][0].abs().sum() > 0 and pools[0][1].abs().sum() > 0
