@@ -18,18 +18,18 @@ import os
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pagedkv.attention.backend import AttentionBackend
 from pagedkv.extension import cache_root
+from pagedkv.model.checkpoint import Checkpoint
 from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.spec import ModelSpec
 from pagedkv.parallel.group import SINGLE, TensorParallel
@@ -120,23 +120,6 @@ def model_directory(source: Path) -> Path:
     raise FileNotFoundError(f"no model at {str(source)!r}: expected {_ACCEPTED}")
 
 
-class _Checkpoint(Mapping):
-    """The tensors of safetensors files by name, each read from disk only when asked for."""
-
-    def __init__(self, files: list[Path]) -> None:
-        self._handles = [safe_open(str(f), framework="pt") for f in files]
-        self._where = {name: handle for handle in self._handles for name in handle.keys()}  # noqa: SIM118 (a safe_open handle is not a dict)
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._where[name].get_tensor(name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
-
-
 def _read_safetensors(directory: Path) -> Mapping[str, torch.Tensor]:
     """All tensors of a single-file or sharded (``model.safetensors.index.json``) checkpoint, read lazily."""
     index = directory / "model.safetensors.index.json"
@@ -149,7 +132,7 @@ def _read_safetensors(directory: Path) -> Mapping[str, torch.Tensor]:
             f"{str(directory)!r} has no *.safetensors weights: expected {_ACCEPTED} "
             "(convert .bin checkpoints to safetensors first)"
         )
-    return _Checkpoint([directory / name for name in files])
+    return Checkpoint([directory / name for name in files])
 
 
 def _eos_token_ids(directory: Path, config: Any, tokenizer: Any) -> set[int]:
