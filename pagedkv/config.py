@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pagedkv.attention.backend import BACKENDS
+from pagedkv.kv.ops import KV_DTYPES
 from pagedkv.model.layers import WEIGHT_FORMATS
 
 # old name -> (new name, old value -> new value)
@@ -40,6 +41,13 @@ class EngineConfig:
     block_size: int = _option(16, "tokens per KV block (a power of two)")
     num_kv_blocks: int | None = _option(None, "KV pool size in blocks (default: from kv_cache_memory_gb)")
     kv_cache_memory_gb: float = _option(1.0, "KV pool memory in GiB, used when num_kv_blocks is not given")
+    kv_cache_dtype: str = _option(
+        "float32",
+        "element type of the KV pool: float32 (exact: the same tokens as HF transformers in fp32); float16 holds "
+        "twice the tokens in the same memory (llama.cpp's default), each K/V value rounded to fp16 once, so "
+        "outputs may differ slightly from fp32",
+        choices=tuple(KV_DTYPES),
+    )
     max_num_seqs: int = _option(64, "most requests in one step")
     max_num_batched_tokens: int = _option(2048, "most tokens in one step (prompts are cut into chunks to fit)")
     max_model_len: int | None = _option(None, "longest context, prompt and output (default: the model's own)")
@@ -90,6 +98,8 @@ class EngineConfig:
         self._map_deprecated()
         if self.weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"weight_format must be one of {tuple(WEIGHT_FORMATS)}, got {self.weight_format!r}")
+        if self.kv_cache_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from pagedkv.extension import UnsafeCacheDirectory, build_directory, load_or_build, summarize_error
+from pagedkv.kv.ops import KV_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +154,8 @@ def paged_attention(
     """Causal ``softmax(q K^T * scale) V`` for every new row of a step, K/V read in place from the pool.
 
     q ``[T, Hq, D]`` (rows may be strided, as the q heads of a fused qkv row are); pools ``[num_blocks,
-    block_size, Hkv, D]``, contiguous; all fp32 (the engine's KV dtype). Request ``b``'s rows are
+    block_size, Hkv, D]``, contiguous, fp32 or fp16 (read as fp32: the same bits as an fp32 pool holding
+    those values); q fp32. Request ``b``'s rows are
     ``q[qsl[b]:qsl[b + 1]]`` (``query_start_loc [B + 1]``, from 0 to ``T``); row ``i`` sits at position
     ``seq_lens[b] - (qsl[b + 1] - i)`` and attends keys ``[0, position]``, whose K/V must be in the pool
     already, its own included. ``block_tables [B, max_blocks]`` padded with 0. Query head ``h`` uses KV head
@@ -168,8 +170,11 @@ def paged_attention(
             f"need q [T, Hq, D] and equal pools [num_blocks, block_size, Hkv, D], got q {tuple(q.shape)}, "
             f"k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}"
         )
-    if not q.dtype == k_pool.dtype == v_pool.dtype == torch.float32:
-        raise ValueError(f"q and the pools must be float32, got dtypes {q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
+    if q.dtype != torch.float32 or k_pool.dtype != v_pool.dtype or k_pool.dtype not in KV_DTYPES.values():
+        raise ValueError(
+            "q must be float32 and the pools both float32 or both float16, got dtypes "
+            f"{q.dtype}, {k_pool.dtype}, {v_pool.dtype}"
+        )
     if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
         raise ValueError("k_pool and v_pool must be contiguous: the kernel addresses them by flat slot")
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # the kernel takes any row stride, nothing else

@@ -12,6 +12,7 @@ from pagedkv import LLM
 from pagedkv.attention.backend import BACKENDS
 from pagedkv.config import EngineConfig
 from pagedkv.entrypoints.cli import add_engine_args, engine_kwargs
+from pagedkv.kv.ops import KV_DTYPES
 from pagedkv.model.layers import WEIGHT_FORMATS
 
 
@@ -19,7 +20,11 @@ def test_every_field_says_what_it_does():
     for f in dataclasses.fields(EngineConfig):
         assert f.metadata.get("help"), f"EngineConfig.{f.name} has no help text"
     choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(EngineConfig) if "choices" in f.metadata}
-    assert choices == {"weight_format": tuple(WEIGHT_FORMATS), "attention_backend": BACKENDS}
+    assert choices == {
+        "weight_format": tuple(WEIGHT_FORMATS),
+        "attention_backend": BACKENDS,
+        "kv_cache_dtype": tuple(KV_DTYPES),
+    }
 
 
 @pytest.mark.parametrize(

@@ -88,6 +88,24 @@ def test_a_restarted_engine_hits_the_disk_and_gives_the_bits_of_a_cold_run(tiny,
     assert {o.cache_miss_reason for o in outputs} == {"hit"}  # a disk hit is a hit
 
 
+def test_an_fp16_pool_round_trips_through_the_disk(tiny, tmp_path):
+    """kv_cache_dtype="float16": its blocks are written as F16 files and a restart serves them with the bits of
+    a cold fp16 run; an fp32 engine on the same directory finds none of them (the fingerprint has the dtype)."""
+    prompts = _prompts(seed=9)
+    cold = _run(_engine(tiny, None, enable_prefix_caching=False, kv_cache_dtype="float16"), prompts)
+    first = _engine(tiny, tmp_path, kv_cache_dtype="float16")
+    assert _run(first, prompts) == cold
+    first.engine.close()
+    header = _block_files(tmp_path)[0].read_bytes()
+    assert b'"dtype":"F16"' in header[: 8 + int.from_bytes(header[:8], "little")]
+    restarted = _engine(tiny, tmp_path, kv_cache_dtype="float16")
+    assert _run(restarted, prompts) == cold
+    assert restarted.stats()["disk_blocks_loaded"] > 0 and restarted.stats()["disk_load_failures"] == 0
+    wide = _engine(tiny, tmp_path)
+    _run(wide, prompts[:1])
+    assert wide.stats()["disk_blocks_loaded"] == 0
+
+
 def test_only_the_first_requests_prefix_is_on_disk(tiny, tmp_path):
     """The disk holds one prompt; a restart serves its system prompt to every other request."""
     prompts = _prompts(seed=5)

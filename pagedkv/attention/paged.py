@@ -84,8 +84,8 @@ def _attend_gathered(
     views of it: with 3-D inputs it was measured to fall back to a 3-10x slower path, and making the views
     contiguous first was 4x slower. ``enable_gqa`` lets the query heads share KV heads without a copy.
     """
-    k_all = ops.gather_slots(k_pool, meta.context_slots)
-    v_all = ops.gather_slots(v_pool, meta.context_slots)
+    k_all = ops.gather_slots(k_pool, meta.context_slots).to(q.dtype)  # an fp16 pool's values, widened exactly
+    v_all = ops.gather_slots(v_pool, meta.context_slots).to(q.dtype)
     qsl = meta.query_start_list
     kv_start = 0
     for i, mask in enumerate(meta.context_masks):

@@ -28,8 +28,9 @@
 // whose row ends inside the tile get weight 0 for the keys past it: adding 0 * v leaves their accumulators as
 // they were. While a tile is used the next one's rows are prefetched into L2 (the blocks are scattered, so the
 // hardware cannot guess them, but the table can). Items run on torch's intra-op threads and pull work from an
-// atomic counter, biggest first. Pools and queries are fp32, as the engine keeps them (bf16 attention measured
-// several times slower on CPU).
+// atomic counter, biggest first. Queries and all arithmetic are fp32. The pools are fp32 (the default) or fp16
+// (kv_cache_dtype="float16": half the memory and the K/V traffic); an fp16 K or V vector is widened to fp32 as
+// it is loaded, so the results are the fp32 kernel's on the stored values, bit for bit.
 //
 // Only the headers it needs (not torch/extension.h): the first build takes a third of the time.
 #include <ATen/Parallel.h>
@@ -97,8 +98,8 @@ inline Vec hsum8(const Vec* v) {
 struct Problem {
   const float* q;  // row i, query head h at q + i * q_stride + h * dim
   int64_t q_stride;
-  const float* k;  // pools [num_blocks, block_size, kv_heads, dim]
-  const float* v;
+  const void* k;  // pools [num_blocks, block_size, kv_heads, dim] of float or _Float16 (the kernels' T)
+  const void* v;
   const int64_t* tables;     // [batch, max_blocks]
   const int64_t* seq_lens;   // [batch]
   const int64_t* query_loc;  // [batch + 1]
@@ -164,13 +165,13 @@ struct Scratch {
 // dim in order, then hsum8's tree, then the dim's scalar tail: the same operations whichever slot or key step
 // it falls in. The kKeys keys of a step are n / kKeys apart, not adjacent (measured ~10% faster), and the
 // loaded vectors are pinned in registers (see in_register: 1.6x the speed of GCC's memory operands here).
-template <int kDim>
-void qk_scores(float* scores, Vec* partial, const float* q, const float* k, const int64_t* offsets, int64_t n,
+template <int kDim, typename T>
+void qk_scores(float* scores, Vec* partial, const float* q, const T* k, const int64_t* offsets, int64_t n,
                int64_t runtime_dim) {
   const int64_t dim = kDim > 0 ? kDim : runtime_dim, vec_end = dim / kLanes * kLanes;
   const int64_t stride = (n + kKeys - 1) / kKeys;  // key slot i takes keys [i * stride, (i + 1) * stride)
   for (int64_t i0 = 0; i0 < stride; ++i0) {
-    const float* rows[kKeys];
+    const T* rows[kKeys];
     for (int64_t i = 0; i < kKeys; ++i) rows[i] = k + offsets[i0 + i * stride];
     Vec acc[kM][kKeys] = {};
     for (int64_t c = 0; c < vec_end; c += kLanes) {
@@ -193,8 +194,8 @@ void qk_scores(float* scores, Vec* partial, const float* q, const float* k, cons
 
 // acc_j[c0, c0 + kVecs * kLanes) += sum_{i < n} p[j * kTile + i] * v_i[same] for query vectors j of [j0, j0 + kJ):
 // the block of accumulators stays in registers while the keys stream by (kJ and kVecs are constants, so it can).
-template <int kJ, int kVecs>
-inline void accumulate_block(float* acc, int64_t dim, const float* p, const float* v, const int64_t* offsets,
+template <int kJ, int kVecs, typename T>
+inline void accumulate_block(float* acc, int64_t dim, const float* p, const T* v, const int64_t* offsets,
                              int64_t n, int64_t j0, int64_t c0) {
   Vec a[kJ][kVecs];
   for (int64_t j = 0; j < kJ; ++j)
@@ -214,8 +215,8 @@ inline void accumulate_block(float* acc, int64_t dim, const float* p, const floa
 // acc_j[0, dim) += sum_{i < n} p[j * kTile + i] * v_i[0, dim) for the kM query vectors, value i at v + offsets[i]:
 // each output element is one chain over the keys in order, however the vectors and the dim are cut into
 // register blocks.
-template <int kDim>
-void accumulate(float* acc, const float* p, const float* v, const int64_t* offsets, int64_t n, int64_t runtime_dim) {
+template <int kDim, typename T>
+void accumulate(float* acc, const float* p, const T* v, const int64_t* offsets, int64_t n, int64_t runtime_dim) {
   const int64_t dim = kDim > 0 ? kDim : runtime_dim, vec_end = dim / kLanes * kLanes;
   for (int64_t j0 = 0; j0 < kM; j0 += kPV) {
     int64_t c0 = 0;
@@ -268,7 +269,7 @@ void load_queries(const Problem& pr, const Item& item, Scratch& s) {
 
 // Attend the item's rows over the keys of partition `part`, each row cut at its own position, leaving per query
 // vector the unnormalised accumulator, max and sum in `s` (rows that end before the partition are left alone).
-template <int kDim>
+template <int kDim, typename T>
 void attend(const Problem& pr, const Item& item, int64_t part, Scratch& s) {
   const int64_t dim = kDim > 0 ? kDim : pr.dim, bs = pr.block_size, group = pr.group, vecs = s.vecs;
   const int64_t rows = item.row_end - item.row_begin;
@@ -288,17 +289,17 @@ void attend(const Problem& pr, const Item& item, int64_t part, Scratch& s) {
   std::fill(offsets + (end - begin), offsets + round_up(end - begin, kLanes), offsets[0]);  // valid, discarded
 
   // Keys per slice of the first and last pass: one KV head's rows of them fill half the L1 (32 KiB on most x86).
-  const int64_t sub = std::clamp<int64_t>(16384 / (dim * sizeof(float)) / kLanes * kLanes, kLanes, kTile);
+  const int64_t sub = std::clamp<int64_t>(16384 / (dim * sizeof(T)) / kLanes * kLanes, kLanes, kTile);
   for (int64_t t = begin; t < end; t += kTile) {
     const int64_t n = std::min(kTile, end - t), next = std::min(kTile, end - t - n);
     const int64_t* tile = offsets + (t - begin);
     const int64_t live = std::clamp<int64_t>(t - first_pos, 0, rows);  // rows before it ended before this tile
     for (int64_t h = item.kv_begin; h < item.kv_end; ++h) {
-      const float *k = pr.k + h * dim, *v = pr.v + h * dim;
+      const T *k = static_cast<const T*>(pr.k) + h * dim, *v = static_cast<const T*>(pr.v) + h * dim;
       // While this tile is used, ask for the next one's rows, into L2 (the L1 is busy with this tile): the
       // blocks are scattered, so the hardware cannot guess them, but the table can.
       for (int64_t i = n; i < n + next; ++i)
-        for (int64_t d = 0; d < dim; d += 64 / sizeof(float)) {
+        for (int64_t d = 0; d < dim; d += 64 / sizeof(T)) {
           __builtin_prefetch(k + tile[i] + d, 0, 2);
           __builtin_prefetch(v + tile[i] + d, 0, 2);
         }
@@ -373,7 +374,7 @@ std::vector<Item> plan(const Problem& pr, int64_t batch, Partials& partials) {
   return items;
 }
 
-template <int kDim>
+template <int kDim, typename T>
 void run(const Problem& pr, int64_t batch, float* out) {
   const int64_t dim = pr.dim, heads = pr.q_heads, group = pr.group;
   Partials partials;
@@ -393,7 +394,7 @@ void run(const Problem& pr, int64_t batch, float* out) {
       const bool lone = partials.first[it.row_begin] >= 0;  // one partition of a lone row: kept for later
       load_queries(pr, it, s);
       for (int64_t part = it.part_begin; part < it.part_end; ++part) {
-        attend<kDim>(pr, it, part, s);
+        attend<kDim, T>(pr, it, part, s);
         for (int64_t i = it.row_begin; i < it.row_end; ++i) {
           if (first_pos + i < part * kPartition) continue;  // the row ends before this partition
           for (int64_t head = it.kv_begin * group; head < it.kv_end * group; ++head) {
@@ -437,6 +438,32 @@ void run(const Problem& pr, int64_t batch, float* out) {
   });
 }
 
+// The head dims the engine's models use get compiled-in loop bounds; any other runs the generic loops.
+template <typename T>
+void run_for_dim(const Problem& pr, int64_t batch, float* out) {
+  switch (pr.dim) {
+    case 64: run<64, T>(pr, batch, out); break;
+    case 128: run<128, T>(pr, batch, out); break;
+    default: run<0, T>(pr, batch, out);
+  }
+}
+
+// Both pools [num_blocks, block_size, Hkv, D], contiguous, of one dtype: fp32, or fp16 (kv_cache_dtype="float16",
+// widened to fp32 as it is read: the arithmetic is the fp32 kernel's on the stored values).
+void check_pools(const at::Tensor& k_pool, const at::Tensor& v_pool, const char* op) {
+  const auto dtype = k_pool.scalar_type();
+  TORCH_CHECK_VALUE(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.is_contiguous() &&
+                        v_pool.is_contiguous() && v_pool.scalar_type() == dtype &&
+                        (dtype == at::kFloat || dtype == at::kHalf),
+                    op, ": pools must be contiguous fp32 or fp16 (both the same) [num_blocks, block_size, Hkv, D]");
+}
+
+// dst[0, n) = src[0, n), rounded to the pool's dtype (fp16: to nearest, ties to even, as torch's .half()).
+template <typename T>
+inline void store_row(T* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
 }  // namespace
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
@@ -444,10 +471,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
                            const at::Tensor& query_start_loc, double scale) {
   TORCH_CHECK_VALUE(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2),
                     "q must be fp32 [T, Hq, D], contiguous within each row");
-  TORCH_CHECK_VALUE(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.is_contiguous() &&
-                        v_pool.is_contiguous() && k_pool.scalar_type() == at::kFloat &&
-                        v_pool.scalar_type() == at::kFloat,
-                    "pools must be contiguous fp32 [num_blocks, block_size, Hkv, D]");
+  check_pools(k_pool, v_pool, "paged_attention");
   TORCH_CHECK_VALUE(q.size(2) == k_pool.size(3) && q.size(1) % k_pool.size(2) == 0,
                     "q [T, Hq, D] needs the pool's D and Hq a multiple of its Hkv");
   const int64_t batch = seq_lens.numel();
@@ -478,14 +502,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
   const int64_t kv_heads = k_pool.size(2), q_heads = q.size(1), dim = q.size(2);
   auto out = at::empty({rows, q_heads, dim}, q.options());
   if (batch == 0) return out;
-  const Problem pr{q.data_ptr<float>(), q.stride(0), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
+  const Problem pr{q.data_ptr<float>(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
                    tables, lens, qsl, q_heads, kv_heads, q_heads / kv_heads, dim, bs, max_blocks,
                    static_cast<float>(scale)};
-  switch (dim) {
-    case 64: run<64>(pr, batch, out.data_ptr<float>()); break;
-    case 128: run<128>(pr, batch, out.data_ptr<float>()); break;
-    default: run<0>(pr, batch, out.data_ptr<float>());
-  }
+  if (k_pool.scalar_type() == at::kHalf)
+    run_for_dim<_Float16>(pr, batch, out.data_ptr<float>());
+  else
+    run_for_dim<float>(pr, batch, out.data_ptr<float>());
   return out;
 }
 
@@ -496,10 +519,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
 // written, so a bad one changes nothing. k and v rows may be strided: they are views into the fused qkv output.
 void write_kv(const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& slot_mapping, const at::Tensor& k,
               const at::Tensor& v) {
-  TORCH_CHECK_VALUE(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.is_contiguous() &&
-                        v_pool.is_contiguous() && k_pool.scalar_type() == at::kFloat &&
-                        v_pool.scalar_type() == at::kFloat,
-                    "write_kv: pools must be contiguous fp32 [num_blocks, block_size, Hkv, D]");
+  check_pools(k_pool, v_pool, "write_kv");
   const int64_t rows = slot_mapping.numel(), heads = k_pool.size(2), dim = k_pool.size(3);
   const auto is_rows = [&](const at::Tensor& t) {
     return t.dim() == 3 && t.scalar_type() == at::kFloat && t.size(0) == rows && t.size(1) == heads &&
@@ -514,13 +534,18 @@ void write_kv(const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tens
   for (int64_t t = 0; t < rows; ++t)
     TORCH_CHECK_VALUE(slots[t] >= -1 && slots[t] < num_slots, "write_kv: slot_mapping[", t, "] = ", slots[t],
                       " is outside the pool's ", num_slots, " slots (-1 skips a row)");
-  float *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>();
   const float *ks = k.data_ptr<float>(), *vs = v.data_ptr<float>();
-  for (int64_t t = 0; t < rows; ++t) {
-    if (slots[t] < 0) continue;
-    std::copy(ks + t * k.stride(0), ks + t * k.stride(0) + width, kp + slots[t] * width);
-    std::copy(vs + t * v.stride(0), vs + t * v.stride(0) + width, vp + slots[t] * width);
-  }
+  const auto write = [&](auto* kp, auto* vp) {
+    for (int64_t t = 0; t < rows; ++t) {
+      if (slots[t] < 0) continue;
+      store_row(kp + slots[t] * width, ks + t * k.stride(0), width);
+      store_row(vp + slots[t] * width, vs + t * v.stride(0), width);
+    }
+  };
+  if (k_pool.scalar_type() == at::kHalf)
+    write(static_cast<_Float16*>(k_pool.data_ptr()), static_cast<_Float16*>(v_pool.data_ptr()));
+  else
+    write(k_pool.data_ptr<float>(), v_pool.data_ptr<float>());
 }
 
 // torch.ops.pagedkv.paged_attention: q [T, Hq, D] -> [T, Hq, D], each row causal over its request's context.

@@ -34,6 +34,7 @@ from pagedkv.kv.disk_fingerprint import engine_fingerprint
 from pagedkv.kv.disk_tier import DiskTier
 from pagedkv.kv.events import KVEventBatch, KVEventPublisher, KVEventRecorder
 from pagedkv.kv.manager import KVCacheManager
+from pagedkv.kv.ops import KV_DTYPES
 from pagedkv.model.loader import default_model_path, load_model, model_directory
 from pagedkv.parallel import workers
 from pagedkv.parallel.group import SINGLE
@@ -64,7 +65,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         model = loaded.model
-        block_bytes = kv_block_bytes(model.num_layers, config.block_size, model.num_kv_heads, model.head_dim)
+        kv_dtype = KV_DTYPES[config.kv_cache_dtype]
+        block_bytes = kv_block_bytes(model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, kv_dtype)
         num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gb * 2**30) // block_bytes)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -77,7 +79,7 @@ class LLMEngine:
         )
         if self.workers is not None:
             tp.broadcast(torch.tensor([num_blocks]), idle=True)  # each worker's pool: its KV heads, every block
-        self.runner = ModelRunner(model, self.kv, tp, self.workers)
+        self.runner = ModelRunner(model, self.kv, tp, self.workers, kv_dtype)
         self.disk: DiskTier | None = None
         if config.kv_cache_dir is not None:
             self.disk = self._open_disk_tier(config)

@@ -22,12 +22,10 @@ from pagedkv.parallel import wire
 from pagedkv.parallel.group import SINGLE, TensorParallel
 from pagedkv.parallel.workers import Workers
 
-KV_DTYPE = torch.float32  # attention and the pool stay fp32: bf16 SDPA measured 6-10x slower on this CPU
 
-
-def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int) -> int:
-    """Bytes one block takes across all layers, K and V."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(KV_DTYPE).bits // 8
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, K and V, in a pool of ``dtype``."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
 @dataclass(slots=True)
@@ -47,7 +45,12 @@ class ModelRunner:
     """
 
     def __init__(
-        self, model: torch.nn.Module, kv: KVCacheManager, tp: TensorParallel = SINGLE, workers: Workers | None = None
+        self,
+        model: torch.nn.Module,
+        kv: KVCacheManager,
+        tp: TensorParallel = SINGLE,
+        workers: Workers | None = None,
+        kv_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.model = model
         self.kv = kv
@@ -55,7 +58,7 @@ class ModelRunner:
         self.workers = workers  # rank 0's handle on the other ranks (None: one process, or a worker itself)
         shape = (kv.num_total_blocks, kv.block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches: list[tuple[Tensor, Tensor]] = [
-            (torch.zeros(shape, dtype=KV_DTYPE), torch.zeros(shape, dtype=KV_DTYPE)) for _ in range(model.num_layers)
+            (torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)) for _ in range(model.num_layers)
         ]
 
     def execute(self, step: SchedulerOutput) -> StepResult:

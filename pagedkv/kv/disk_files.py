@@ -1,9 +1,10 @@
 """The disk tier's directory: block files (format and checks) and the LRU size limit, shared by processes.
 
-A block file is plain safetensors (never pickle): one float32 tensor ``kv`` of shape [2 (K, V), layers,
-block_size, kv_heads, head_dim], and in its metadata the format, the engine's fingerprint, the block key, its
-parent's key and the sha256 of the tensor's bytes. :func:`decode_block` checks all of them and the sizes
-before a byte is used: a truncated, corrupted or misplaced file raises :class:`CorruptBlockFile`.
+A block file is plain safetensors (never pickle): one tensor ``kv``, of the pool's dtype (float32 or
+float16) and shape [2 (K, V), layers, block_size, kv_heads, head_dim], and in its metadata the format, the
+engine's fingerprint, the block key, its parent's key and the sha256 of the tensor's bytes.
+:func:`decode_block` checks all of them and the sizes before a byte is used: a truncated, corrupted or
+misplaced file raises :class:`CorruptBlockFile`.
 
 :class:`BlockDirectory` puts files in place atomically (a temporary file, then ``os.replace``: a reader sees
 a whole file or none) and keeps the files' total under ``max_bytes``, making room before each rename by
@@ -41,6 +42,7 @@ STALE_TMP_S = 3600  # a temporary file this old was left by a killed writer
 RESCAN_EVERY = 64  # writes between recounts of the directory (other processes, deleted files, crashes)
 LOW_WATER = 0.9  # eviction frees down to this share of max_bytes, so it runs once per many writes
 MAX_HEADER = 64 << 10
+_SAFETENSORS_NAMES = {torch.float32: "F32", torch.float16: "F16"}  # the pool dtypes a block file may hold
 
 
 class CorruptBlockFile(ValueError):
@@ -48,7 +50,7 @@ class CorruptBlockFile(ValueError):
 
 
 def encode_block(kv: Tensor, fingerprint: str, key: BlockKey, parent: BlockKey | None) -> bytes:
-    """A block file's bytes: ``kv`` (contiguous float32) and its metadata, checksum included."""
+    """A block file's bytes: ``kv`` (contiguous, the pool's dtype) and its metadata, checksum included."""
     meta = {
         "format": FORMAT,
         "fingerprint": fingerprint,
@@ -74,7 +76,9 @@ def read_block_file(path: Path, block_bytes: int) -> bytearray:
     return buffer
 
 
-def decode_block(buffer: bytearray, fingerprint: str, key: BlockKey, shape: tuple[int, ...]) -> Tensor:
+def decode_block(
+    buffer: bytearray, fingerprint: str, key: BlockKey, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+) -> Tensor:
     """The K/V tensor in a block file's bytes (a view of ``buffer``), after checking header, sizes, checksum."""
     if len(buffer) < 8:
         raise CorruptBlockFile("is truncated (no header)")
@@ -85,21 +89,21 @@ def decode_block(buffer: bytearray, fingerprint: str, key: BlockKey, shape: tupl
         header = json.loads(bytes(buffer[8 : 8 + header_len]))
         meta, entry = header["__metadata__"], header["kv"]
         begin, end = (int(x) for x in entry["data_offsets"])
-        found, dtype, checksum = tuple(entry["shape"]), entry["dtype"], meta["sha256"]
+        found, found_dtype, checksum = tuple(entry["shape"]), entry["dtype"], meta["sha256"]
         fields = (meta["format"], meta["fingerprint"], meta["key"])
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptBlockFile(f"has an unreadable header ({type(exc).__name__})") from exc
     if fields != (FORMAT, fingerprint, key.hex()):
         raise CorruptBlockFile("holds another block (format, fingerprint or key differ)")
-    nbytes = 4 * math.prod(shape)
-    if dtype != "F32" or found != shape or end - begin != nbytes:
-        raise CorruptBlockFile(f"holds a {dtype} tensor of shape {list(found)}, not F32 {list(shape)}")
+    nbytes, name = dtype.itemsize * math.prod(shape), _SAFETENSORS_NAMES[dtype]
+    if found_dtype != name or found != shape or end - begin != nbytes:
+        raise CorruptBlockFile(f"holds a {found_dtype} tensor of shape {list(found)}, not {name} {list(shape)}")
     offset = 8 + header_len + begin
     if offset + nbytes != len(buffer):
         raise CorruptBlockFile(f"is {len(buffer)} bytes, not {offset + nbytes} (truncated?)")
     if hashlib.sha256(memoryview(buffer)[offset:]).hexdigest() != checksum:
         raise CorruptBlockFile("fails its checksum")
-    return torch.frombuffer(buffer, dtype=torch.float32, offset=offset, count=math.prod(shape)).view(shape)
+    return torch.frombuffer(buffer, dtype=dtype, offset=offset, count=math.prod(shape)).view(shape)
 
 
 class BlockDirectory:

@@ -62,6 +62,7 @@ class DiskTier:
         self._fp = bytes.fromhex(fingerprint)
         self._pools: list[tuple[Tensor, Tensor]] = []
         self._shape: tuple[int, ...] = ()
+        self._dtype = torch.float32
         self._lock = threading.Lock()
         self._pending: set[str] = set()  # names queued for the writer
         self._queued_bytes = 0
@@ -83,13 +84,12 @@ class DiskTier:
         """The pools blocks are copied from and loaded into: per layer (k, v) [blocks, block_size, heads, dim]."""
         self._pools = list(kv_caches)
         k = self._pools[0][0]
-        if k.dtype != torch.float32:
-            raise ValueError(f"the disk tier stores float32 K/V, the pool is {k.dtype}")
         self._shape = (2, len(self._pools), *k.shape[1:])
+        self._dtype = k.dtype  # in the fingerprint too: a file of another KV dtype is another engine's
 
     @property
     def block_bytes(self) -> int:
-        return 4 * math.prod(self._shape)
+        return self._dtype.itemsize * math.prod(self._shape)
 
     def path(self, key: BlockKey) -> Path:
         """The file of the block cached under ``key`` (under this tier's fingerprint)."""
@@ -176,7 +176,7 @@ class DiskTier:
 
     def decode(self, buffer: bytearray, key: BlockKey) -> Tensor:
         """The K/V tensor of a block file's bytes, after its checks (``disk_files.decode_block``)."""
-        return decode_block(buffer, self.fingerprint, key, self._shape)
+        return decode_block(buffer, self.fingerprint, key, self._shape, self._dtype)
 
     def _reject(self, path: Path, reason: str) -> None:
         """One warning per bad file; delete it, so the block is computed and written again."""

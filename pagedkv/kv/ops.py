@@ -19,6 +19,10 @@ import torch
 from torch import Tensor
 
 PAD_SLOT = -1
+# The pool's element types (EngineConfig.kv_cache_dtype). float32 is the default and the exact one; float16 halves
+# the pool (llama.cpp's default KV type): each K/V value is rounded to fp16 once, when it is written, and every read
+# widens it back to fp32, so attention's arithmetic stays fp32 and only the stored values differ.
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -154,7 +158,7 @@ def write_kv(pool: Tensor, slot_mapping: Tensor, values: Tensor) -> None:
         )
     if values.shape[0] != slot_mapping.shape[0]:
         raise ValueError(f"{values.shape[0]} value rows but {slot_mapping.shape[0]} slots: make them equal")
-    if values.dtype != pool.dtype:
+    if values.dtype != pool.dtype and not (values.dtype == torch.float32 and pool.dtype in KV_DTYPES.values()):
         raise ValueError(f"values dtype {values.dtype} differs from pool dtype {pool.dtype}: cast first")
     slots = slot_mapping.to(torch.int64)
     if slots.numel() == 0:
@@ -167,7 +171,7 @@ def write_kv(pool: Tensor, slot_mapping: Tensor, values: Tensor) -> None:
         if low < PAD_SLOT:
             raise ValueError(f"slot_mapping may hold -1 for padding but no other negative slot, got {low}")
         slots, values = slots[keep], values[keep]
-    flat.index_copy_(0, slots, values)
+    flat.index_copy_(0, slots, values.to(pool.dtype))  # an fp32 row into an fp16 pool: rounded to nearest
 
 
 def gather_kv(

@@ -124,12 +124,14 @@ def serve(tp: TensorParallel, config: EngineConfig, model_directory: str) -> Non
     from pagedkv.attention.backend import select_backend
     from pagedkv.engine.runner import ModelRunner
     from pagedkv.kv.manager import KVCacheManager
+    from pagedkv.kv.ops import KV_DTYPES
     from pagedkv.model.loader import load_model
 
     attention = select_backend(config.attention_backend)
     loaded = load_model(model_directory, config.weight_format, attention, kernels.use_kernels(config.kernels), tp)
     num_blocks = int(tp.broadcast(torch.zeros(1, dtype=torch.int64), idle=True))
-    runner = ModelRunner(loaded.model, KVCacheManager(num_blocks, config.block_size, False), tp)
+    kv = KVCacheManager(num_blocks, config.block_size, False)
+    runner = ModelRunner(loaded.model, kv, tp, kv_dtype=KV_DTYPES[config.kv_cache_dtype])
     while (inputs := wire.receive_step(tp)) is not None:
         runner.run(inputs)
 
