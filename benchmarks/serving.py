@@ -2,7 +2,7 @@
 
     python benchmarks/serving.py [--concurrency 1 4 32] [--requests N] [--max-new-tokens N] [--rounds 2]
                                  [--parallel 1 4 32] [--quick] [--json] [--skip-llama] [--llama-server PATH]
-                                 [--wait-quiet CORES] [--speculative K] [--kv-tokens N]
+                                 [--wait-quiet CORES] [--speculative K] [--fp16-kv] [--kv-tokens N]
 
 The chat requests of `workloads/chat_shared_prefix.json` (one long system prompt, a different question
 each) go through the OpenAI-compatible chat endpoint of each server, streamed, greedy, with the workload's
@@ -27,7 +27,8 @@ each server process's peak resident memory (VmHWM, read from /proc after the run
 One request at a time (the single-stream table): `--concurrency 1 --parallel 1 --speculative 4` adds pagedkv's
 gguf server with prompt-lookup speculation (4 draft tokens). Both servers get the same KV capacity in tokens
 (`--kv-tokens`, default 16,384: llama-server's `--ctx-size`, pagedkv's pool of as many tokens), which costs
-pagedkv twice llama-server's bytes (fp32 K/V against f16) -- counted in its peak RSS as it is.
+pagedkv twice llama-server's bytes (fp32 K/V against f16) -- counted in its peak RSS as it is. `--fp16-kv` adds
+pagedkv's gguf server with an fp16 pool (`--kv-cache-dtype float16`): llama-server's KV bytes as well.
 
 On a shared machine: every round records `outside_cores`, the CPU that other processes used while it ran
 (from /proc/stat, less the server's and this client's), and `--wait-quiet CORES` waits (up to
@@ -63,11 +64,12 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL_NAME = "smol"
 PAGEDKV_CONFIGS = {"pagedkv fp32": "float32", "pagedkv gguf (exact)": "gguf"}
 SPECULATIVE = "pagedkv gguf + speculation"  # the gguf server with --num-speculative-tokens (--speculative K)
-RATIO_KEYS = {"pagedkv fp32": "fp32", "pagedkv gguf (exact)": "gguf", SPECULATIVE: "gguf_spec"}
+FP16_KV = "pagedkv gguf, fp16 KV"  # the gguf server with --kv-cache-dtype float16 (--fp16-kv)
+RATIO_KEYS = {"pagedkv fp32": "fp32", "pagedkv gguf (exact)": "gguf", SPECULATIVE: "gguf_spec", FP16_KV: "gguf_fp16kv"}
 KV_TOKENS = 16384  # tokens of KV, unified over the slots: 32 requests of ~250 prompt + 64 new tokens fit
-# The default model's KV bytes per token in pagedkv's pool: K and V, 30 layers, 3 KV heads of 64, fp32.
-# (llama-server keeps f16 K/V: half of it. Both servers get the same capacity in tokens, --kv-tokens.)
-PAGEDKV_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
+# The default model's KV values per token: K and V, 30 layers, 3 KV heads of 64; 4 bytes each in pagedkv's fp32
+# pool, 2 in its fp16 one and in llama-server's f16 cache. Every server gets the same capacity in tokens, --kv-tokens.
+KV_VALUES_PER_TOKEN = 2 * 30 * 3 * 64
 WARMUP_QUESTION = "Hello, who are you?"  # not one of the workload's questions
 
 
@@ -284,8 +286,10 @@ def running(name: str, command: list[str], port: int, log_dir: Path, start_timeo
         server.stop()
 
 
-def pagedkv_command(weight_format: str, port: int, threads: int, kv_tokens: int, speculative: int = 0) -> list[str]:
-    kv_gb = kv_tokens * PAGEDKV_KV_BYTES_PER_TOKEN / 2**30
+def pagedkv_command(
+    weight_format: str, port: int, threads: int, kv_tokens: int, speculative: int = 0, kv_dtype: str = "float32"
+) -> list[str]:
+    kv_gb = kv_tokens * KV_VALUES_PER_TOKEN * (2 if kv_dtype == "float16" else 4) / 2**30
     return [
         sys.executable,
         "-m",
@@ -305,6 +309,8 @@ def pagedkv_command(weight_format: str, port: int, threads: int, kv_tokens: int,
         f"{kv_gb:.4f}",
         "--num-speculative-tokens",
         str(speculative),
+        "--kv-cache-dtype",
+        kv_dtype,
     ]
 
 
@@ -514,6 +520,11 @@ def main() -> int:
         help="also run pagedkv gguf with prompt-lookup speculation of K tokens (--num-speculative-tokens K)",
     )
     parser.add_argument(
+        "--fp16-kv",
+        action="store_true",
+        help="also run pagedkv gguf with an fp16 KV pool (--kv-cache-dtype float16: llama-server's KV bytes)",
+    )
+    parser.add_argument(
         "--kv-tokens",
         type=int,
         default=KV_TOKENS,
@@ -572,6 +583,14 @@ def main() -> int:
     if args.speculative and not args.skip_pagedkv:
         k = args.speculative
         configs.append((SPECULATIVE, None, lambda port: pagedkv_command("gguf", port, args.threads, args.kv_tokens, k)))
+    if args.fp16_kv and not args.skip_pagedkv:
+        configs.append(
+            (
+                FP16_KV,
+                None,
+                lambda port: pagedkv_command("gguf", port, args.threads, args.kv_tokens, kv_dtype="float16"),
+            )
+        )
     if llama_binary:
         configs += [
             (
