@@ -102,23 +102,30 @@ def test_panel_linear_quick_runs():
 def test_serving_quick_json(tmp_path):
     """The pagedkv side of the serving benchmark: a real `pagedkv serve` subprocess per concurrency, driven by
     the streaming OpenAI client, started and stopped by the script."""
-    summary = run_quick_json("serving.py", "--skip-llama", "--speculative", "2", "--out-dir", str(tmp_path))
+    summary = run_quick_json(
+        "serving.py", "--skip-llama", "--speculative", "2", "--fp16-kv", "--out-dir", str(tmp_path)
+    )
     assert summary["notes"] == ["llama-server skipped: --skip-llama"] and summary["llama_server"] is None
     rows = summary["results"]
-    spec = "pagedkv gguf + speculation"
+    spec, half = "pagedkv gguf + speculation", "pagedkv gguf, fp16 KV"
     assert [(row["engine"], row["concurrency"]) for row in rows] == [
         ("pagedkv fp32", 1),
         (spec, 1),
+        (half, 1),
         ("pagedkv fp32", 4),
         (spec, 4),
+        (half, 4),
     ]
     for row in rows:
         assert row["requests"] == 4 and 0 < row["output_tokens"] <= 4 * 8
         assert row["output_tok_s"] > 0 and 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
         assert row["prompt_cached_share"] > 0.5  # the warm-up request left the system prompt in the cache
         assert 200 < row["peak_rss_mb"] < 8192  # the server's own high-water mark, read from /proc
-    for c in (1, 4):  # exact codes and speculation keep fp32's greedy answers
-        assert summary["summary"][f"concurrency {c}"]["answers_equal_fp32"] == {spec: "4/4"}
+    for c in (1, 4):  # exact codes and speculation keep fp32's greedy answers (fp16 KV is not held to that)
+        assert summary["summary"][f"concurrency {c}"]["answers_equal_fp32"][spec] == "4/4"
+    by_engine = {(row["engine"], row["concurrency"]): row for row in rows}
+    for c in (1, 4):  # the same 16,384 tokens of KV in half the bytes, and codes instead of fp32 weights
+        assert by_engine[half, c]["peak_rss_mb"] < by_engine["pagedkv fp32", c]["peak_rss_mb"] - 500
     assert json.loads((tmp_path / "serving.json").read_text())["results"] == rows
     assert "| concurrency | engine |" in (tmp_path / "serving.md").read_text()
 
