@@ -1,4 +1,7 @@
-"""Load a model from an HF safetensors directory or a GGUF file, through transformers' own readers.
+"""Load a model from an HF safetensors directory or a GGUF file.
+
+Configs and tokenizers come through transformers; the weights are read tensor by tensor, each when its
+layer's turn comes (``pagedkv.model.checkpoint``), so loading never holds the whole checkpoint at once.
 
 GGUF files (the default model among them) are dequantized by transformers
 (``load_gguf_checkpoint``, which also undoes llama.cpp's q/k row permutation). That takes ~35 s for the
