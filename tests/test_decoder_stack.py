@@ -54,9 +54,11 @@ def model(weights: str, attention=None, **config) -> LlamaForCausalLM:
     return m
 
 
-def new_pools() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def new_pools(dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (16, BLOCK, CONFIG["num_key_value_heads"], 64)
-    return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(CONFIG["num_hidden_layers"])]
+    return [
+        (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(CONFIG["num_hidden_layers"])
+    ]
 
 
 def run_step(m: LlamaForCausalLM, step: int, pools: list, g: torch.Generator) -> torch.Tensor:
@@ -68,16 +70,19 @@ def run_step(m: LlamaForCausalLM, step: int, pools: list, g: torch.Generator) ->
     return m.hidden_states(ids, positions, meta, pools, torch.arange(len(positions)))
 
 
-def run_steps(m: LlamaForCausalLM, fused: bool) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Every row's final hidden state of each step, and the pools after them."""
+def run_steps(
+    m: LlamaForCausalLM, fused: bool, kv_dtype: torch.dtype = torch.float32
+) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Every row's final hidden state of each step, and the pools (of ``kv_dtype``) after them."""
     m.fused_layers = fused
-    pools, g = new_pools(), torch.Generator().manual_seed(1)
+    pools, g = new_pools(kv_dtype), torch.Generator().manual_seed(1)
     return [run_step(m, i, pools, g) for i in range(len(STEPS))], pools
 
 
 @pytest.mark.parametrize("weights", ["fp32", "q4"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_stack_computes_the_modules_bits(weights: str, threads: int) -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["fp32-kv", "fp16-kv"])
+def test_the_stack_computes_the_modules_bits(weights: str, threads: int, kv_dtype: torch.dtype) -> None:
     m = model(weights)
     calls = []
     for layer in m.layers:
@@ -85,9 +90,9 @@ def test_the_stack_computes_the_modules_bits(weights: str, threads: int) -> None
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        fused_hidden, fused_pools = run_steps(m, fused=True)
+        fused_hidden, fused_pools = run_steps(m, fused=True, kv_dtype=kv_dtype)
         assert isinstance(m._stack, DecoderStack) and calls == []  # the stack ran, no layer module did
-        hidden, pools = run_steps(m, fused=False)
+        hidden, pools = run_steps(m, fused=False, kv_dtype=kv_dtype)
         assert len(calls) == 2 * CONFIG["num_hidden_layers"]
     finally:
         torch.set_num_threads(previous)

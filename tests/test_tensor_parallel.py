@@ -212,3 +212,16 @@ def test_exact_mode_gives_one_process_bits(tiny_models, size):
     llm.engine.close()
     for one, other in zip(whole, split, strict=True):
         assert (other.token_ids, other.logprobs, other.top_logprobs) == (one.token_ids, one.logprobs, one.top_logprobs)
+
+
+def test_exact_mode_with_an_fp16_pool_gives_one_process_bits(tiny_models):
+    """kv_cache_dtype reaches the workers: each rank's shard of the pool is fp16 too, so exact TP=2 gives the
+    bits of one process with an fp16 pool (ranks on fp32 pools would round nothing, and differ)."""
+    options = {"model": str(tiny_models[2]), "num_kv_blocks": 64, "num_threads": 1, "kv_cache_dtype": "float16"}
+    params = SamplingParams(max_tokens=10, temperature=0, logprobs=3)
+    whole = _generate(LLM(**options), PROMPTS, params)
+    llm = LLM(tensor_parallel_size=2, tensor_parallel_exact=True, **options)
+    split = _generate(llm, PROMPTS, params)
+    llm.engine.close()
+    for one, other in zip(whole, split, strict=True):
+        assert (other.token_ids, other.logprobs, other.top_logprobs) == (one.token_ids, one.logprobs, one.top_logprobs)
