@@ -7,16 +7,17 @@ timing, as the engine builds it once for all layers. Two kinds of step:
 - decode: ``batch`` requests, one new query each over its whole ``context``, for several batches and contexts
 - prefill: one prompt of ``context`` tokens as one chunk, every token a causal query
 
-and three columns:
+and four columns:
 
 - ``kernel``  ``KernelAttention``: the compiled kernel, every row of the step in one call, K/V read in place
+- ``kernel_fp16``  the same on fp16 pools (``kv_cache_dtype="float16"``): half the bytes, widened as read
 - ``gather``  ``TorchAttention``: one ``index_select`` of every context, then SDPA per request
-- ``floor``   the memory floor: the bytes of K/V the step must read / memcpy bandwidth. The bandwidth is
+- ``floor``   the memory floor: the bytes of fp32 K/V the step must read / memcpy bandwidth. The bandwidth is
               measured in every row, interleaved with the candidates, by copying a 64 MiB tensor into a
               preallocated one (``clone()`` would also pay first-touch page faults for its fresh output).
               A prefill is compute-bound: its floor is far below either backend.
 
-Both candidates are checked to agree before they are timed.
+The fp32 candidates are checked to agree before they are timed, and the fp16 one to stay within fp16's rounding.
 Run: ``python benchmarks/attention.py`` (``--quick`` for a few seconds, ``--json`` for machine output).
 """
 
@@ -48,7 +49,7 @@ BATCHES = (1, 8, 32)
 CONTEXTS = (128, 1024, 4096)
 PREFILLS = (512, 2048)  # prompt lengths, one request, the whole prompt in one chunk
 SHAPES = ((3, 9, 64), (8, 32, 128))  # (num_kv_heads, num_q_heads, head_dim): SmolLM2-135M, a Llama-8B-like
-METHODS = ("kernel", "gather", "floor")
+METHODS = ("kernel", "kernel_fp16", "gather", "floor")
 COPY_BYTES = 64 << 20
 ROW_BUDGET_S = 1.5  # time spent sampling one row, split over its repeats
 ACCEPT_BATCH, ACCEPT_CONTEXT, ACCEPT_SPEEDUP, ACCEPT_VS_FLOOR, PARITY_CONTEXT = 8, 4096, 1.5, 2.0, 1024
@@ -68,6 +69,7 @@ class Row:
     memcpy_gbps: float
     gather_over_kernel: float
     kernel_over_floor: float
+    kernel_over_fp16: float  # what an fp16 pool gains (decodes read half the bytes)
 
 
 def make_step(kv_heads: int, q_heads: int, dim: int, batch: int, context: int, queries: int, seed: int):
@@ -88,7 +90,7 @@ def layer(backend, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, 
     """One layer's call of ``backend`` in the step, its metadata built once (as the engine does per step)."""
     batch, dim = len(tables), q.shape[-1]
     meta = backend.build_metadata(tables, [q.shape[0] // batch] * batch, [context] * batch, BLOCK_SIZE)
-    k, v = ops.gather_slots(k_pool, meta.slot_mapping), ops.gather_slots(v_pool, meta.slot_mapping)
+    k, v = (ops.gather_slots(pool, meta.slot_mapping).float() for pool in (k_pool, v_pool))  # fp32, as layers make
     return lambda: backend.forward(q, k, v, k_pool, v_pool, meta, dim**-0.5)
 
 
@@ -99,12 +101,15 @@ def time_row(kind: str, kv_heads: int, q_heads: int, dim: int, batch: int, conte
     dst = torch.empty_like(src)
     fns = {
         "kernel": layer(KernelAttention(), q, k_pool, v_pool, tables, context),
+        "kernel_fp16": layer(KernelAttention(), q, k_pool.half(), v_pool.half(), tables, context),
         "gather": layer(TorchAttention(), q, k_pool, v_pool, tables, context),
         "memcpy": lambda: dst.copy_(src),
     }
     expected, got = fns["gather"](), fns["kernel"]()
     if not torch.allclose(got, expected, atol=1e-4, rtol=0):
         raise RuntimeError(f"kernel and gather disagree by {float((got - expected).abs().max()):.2e}")
+    if not torch.allclose(fns["kernel_fp16"](), got, atol=1e-2, rtol=0):
+        raise RuntimeError("the kernel on fp16 pools is further from fp32 than fp16's rounding")
     if repeats is None:
         once = sum(min(sample_interleaved(fns, warmup=1, repeats=2)[name]) for name in fns) / 1e6
         repeats = max(5, min(40, int(ROW_BUDGET_S / once)))
@@ -128,6 +133,7 @@ def time_row(kind: str, kv_heads: int, q_heads: int, dim: int, batch: int, conte
         memcpy_gbps=gbps,
         gather_over_kernel=times["gather"] / times["kernel"],
         kernel_over_floor=times["kernel"] / times["floor"],
+        kernel_over_fp16=times["kernel"] / times["kernel_fp16"],
     )
 
 
@@ -153,6 +159,7 @@ def table_text(rows: list[Row], markdown: bool = False) -> str:
         *(f"{m} us" for m in METHODS),
         "gather/kernel",
         "kernel/floor",
+        "kernel/fp16",
     ]
     body = [
         [
@@ -164,6 +171,7 @@ def table_text(rows: list[Row], markdown: bool = False) -> str:
             *(r.times_us[m] for m in METHODS),
             r.gather_over_kernel,
             r.kernel_over_floor,
+            r.kernel_over_fp16,
         ]
         for r in rows
     ]

@@ -56,6 +56,7 @@ def test_gather_quick_json(tmp_path):
 def test_attention_quick_json():
     summary = run_quick_json("attention.py", "--plot", "")
     assert summary["rows"], "quick mode must still time something"
+    assert all(row["times_us"]["kernel_fp16"] > 0 and row["kernel_over_fp16"] > 0 for row in summary["rows"])
 
 
 def test_throughput_quick_json(tmp_path):
