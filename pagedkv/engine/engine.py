@@ -93,10 +93,12 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, sorted(self.eos_token_ids))
         self._ids = itertools.count()
         logger.info(
-            "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, attention %s, kernels %s",
+            "engine ready: %s, %d KV blocks of %d tokens (%s, %.2f GiB), max_model_len %d, attention %s, kernels %s",
             self.model_path,
             num_blocks,
             config.block_size,
+            config.kv_cache_dtype,
+            num_blocks * block_bytes / 2**30,
             self.max_model_len,
             self.attention.name,
             self.kernels,
