@@ -73,6 +73,7 @@ def _rows_and_pools(dtype: torch.dtype):
     g = torch.Generator().manual_seed(11)
     pools = [(torch.randn(6, 4, 3, 8, generator=g) * 300).to(dtype) for _ in range(2)]
     qkv = torch.randn(5, 9 + 3 + 3, 8, generator=g) * 300  # wide values: many round, some to fp16's coarse steps
+    qkv[0, 9:, :4] = torch.tensor([7e4, -1e5, 3e-8, 65519.0])  # past fp16's range, below its subnormals, at its top
     return pools, qkv[:, 9:12], qkv[:, 12:], torch.tensor([0, 23, -1, 5, 17])
 
 

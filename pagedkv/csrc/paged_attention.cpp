@@ -461,7 +461,9 @@ void check_pools(const at::Tensor& k_pool, const at::Tensor& v_pool, const char*
 // dst[0, n) = src[0, n), rounded to the pool's dtype (fp16: to nearest, ties to even, as torch's .half()).
 template <typename T>
 inline void store_row(T* dst, const float* src, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store(dst + i, load(src + i));
+  for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
 }  // namespace

@@ -45,6 +45,17 @@ inline Vec load(const _Float16* p) {
 #endif
 }
 
+// p[0, 8) = v rounded to fp16: to nearest, ties to even, as torch's .half() and a scalar _Float16 cast round.
+inline void store(_Float16* p, Vec v) {
+#if defined(__F16C__) && defined(__AVX__)
+  __m256 x;
+  std::memcpy(&x, &v, sizeof(x));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+#else
+  for (int i = 0; i < kLanes; ++i) p[i] = static_cast<_Float16>(v[i]);
+#endif
+}
+
 // v, kept in a register. Where a loaded vector feeds several FMAs, GCC folds the load into each of them (one
 // memory operand per FMA); Zen 4 then runs out of load slots at about half its FMA rate. The empty asm
 // "modifies" v in a register, which the compiler cannot see through; it emits no instruction. Only where a
