@@ -205,7 +205,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
 
 def write_kv(k_pool: Tensor, v_pool: Tensor, slot_mapping: Tensor, k: Tensor, v: Tensor) -> None:
     """``k, v [T, Hkv, D]`` into both pools at ``slot_mapping [T]`` (int64; -1 skips a row), in one call: what
-    :func:`pagedkv.kv.ops.write_kv` does with an ``index_copy_`` per pool, for every step of the kernel backend."""
+    :func:`pagedkv.kv.ops.write_kv` does with an ``index_copy_`` per pool, for every step of the kernel backend.
+    The rows are fp32; an fp16 pool gets them rounded to nearest (ties to even), as ``Tensor.half()`` rounds."""
     portable.require("use the gather backend")
     # rows may be strided, a row's heads not (torch's GEMM can hand back a transposed view of k and v)
     k, v = (t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous() for t in (k, v))
