@@ -47,13 +47,17 @@ def _run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> li
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_a_request_gives_the_same_bits_under_every_condition(tiny, params):
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_a_request_gives_the_same_bits_under_every_condition(tiny, params, kv_dtype):
+    """On fp16 pools too: other bits than fp32's, but each K/V value is rounded once, when written, whatever
+    the batch, chunking, cache state or thread count."""
     target, others = _prompts(seed=11)
     everyone = [target, *others]
     mixed = [params] + [PLAIN] * len(others)
 
     def engine(**kwargs) -> LLM:
-        return LLM(model=tiny, num_kv_blocks=kwargs.pop("num_kv_blocks", 1024), max_model_len=2048, **kwargs)
+        blocks = kwargs.pop("num_kv_blocks", 1024)
+        return LLM(model=tiny, num_kv_blocks=blocks, max_model_len=2048, kv_cache_dtype=kv_dtype, **kwargs)
 
     alone = _run(engine(enable_prefix_caching=False), [target], [params])[0]
     assert alone[0] and len(alone[3]) == len(target)
