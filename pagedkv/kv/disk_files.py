@@ -34,6 +34,7 @@ from torch import Tensor
 
 from pagedkv.kv.disk_fingerprint import FORMAT
 from pagedkv.kv.hashing import BlockKey
+from pagedkv.model.checkpoint import SAFETENSORS_DTYPES
 
 SUFFIX = ".safetensors"
 LOCK_FILE = ".lock"
@@ -42,7 +43,7 @@ STALE_TMP_S = 3600  # a temporary file this old was left by a killed writer
 RESCAN_EVERY = 64  # writes between recounts of the directory (other processes, deleted files, crashes)
 LOW_WATER = 0.9  # eviction frees down to this share of max_bytes, so it runs once per many writes
 MAX_HEADER = 64 << 10
-_SAFETENSORS_NAMES = {torch.float32: "F32", torch.float16: "F16"}  # the pool dtypes a block file may hold
+_SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
 class CorruptBlockFile(ValueError):
@@ -77,7 +78,7 @@ def read_block_file(path: Path, block_bytes: int) -> bytearray:
 
 
 def decode_block(
-    buffer: bytearray, fingerprint: str, key: BlockKey, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+    buffer: bytearray, fingerprint: str, key: BlockKey, shape: tuple[int, ...], dtype: torch.dtype
 ) -> Tensor:
     """The K/V tensor in a block file's bytes (a view of ``buffer``), after checking header, sizes, checksum."""
     if len(buffer) < 8:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-_DTYPES = {
+SAFETENSORS_DTYPES = {  # the format's dtype names -> torch's, for the dtypes pagedkv reads
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -77,9 +77,9 @@ def _read_header(file: Path) -> dict[str, tuple[int, int, torch.dtype, list[int]
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in _DTYPES:
+        if info["dtype"] not in SAFETENSORS_DTYPES:
             raise ValueError(f"{str(file)!r}: tensor {name!r} has dtype {info['dtype']}, which pagedkv does not read")
-        dtype = _DTYPES[info["dtype"]]
+        dtype = SAFETENSORS_DTYPES[info["dtype"]]
         begin, end = info["data_offsets"]
         count = 1
         for size in info["shape"]:
