@@ -2,8 +2,8 @@
 
 Only linear layers (and the embedding table, which a tied LM head shares) may hold bf16 weights: that is
 where bf16 pays on CPUs with native bf16 GEMMs. Everything between GEMMs -- the residual stream, norms,
-softmax, the KV pool, logits -- stays fp32, so a bf16 model differs from the fp32 one only by weight
-rounding and bf16 GEMM outputs.
+softmax, logits, and the KV pool unless kv_cache_dtype="float16" is asked for -- stays fp32, so a bf16 model
+differs from the fp32 one only by weight rounding and bf16 GEMM outputs.
 """
 
 from __future__ import annotations
