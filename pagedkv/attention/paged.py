@@ -48,11 +48,33 @@ class TorchAttention:
 
         ``k, v [T, Hkv, D]`` are the step's new keys and values; they are written at ``meta.slot_mapping``
         first, so every query sees its own token. Query heads share KV heads in groups of ``Hq // Hkv``.
+
+        Each request attends over its whole context (earlier chunks and prefix hits too). One ``index_select``
+        per pool copies all those contexts; SDPA then gets 4-D ``[1, H, L, D]`` ``permute`` views of it: with
+        3-D inputs it was measured to fall back to a 3-10x slower path, and making the views contiguous first
+        was 4x slower. ``enable_gqa`` lets the query heads share KV heads without a copy.
         """
         ops.write_kv(k_pool, meta.slot_mapping, k)
         ops.write_kv(v_pool, meta.slot_mapping, v)
+        k_all = ops.gather_slots(k_pool, meta.context_slots).to(q.dtype)  # an fp16 pool's values, widened exactly
+        v_all = ops.gather_slots(v_pool, meta.context_slots).to(q.dtype)
         out = q.new_empty(q.shape)
-        _attend_gathered(q, k_pool, v_pool, meta, scale, out)
+        qsl = meta.query_start_list
+        kv_start = 0
+        for i, mask in enumerate(meta.context_masks):
+            q_start, q_end = qsl[i], qsl[i + 1]
+            kv_end = kv_start + meta.seq_lens_list[i]
+            attn = F.scaled_dot_product_attention(
+                q[q_start:q_end].permute(1, 0, 2).unsqueeze(0),
+                k_all[kv_start:kv_end].permute(1, 0, 2).unsqueeze(0),
+                v_all[kv_start:kv_end].permute(1, 0, 2).unsqueeze(0),
+                attn_mask=mask,
+                is_causal=mask is None and q_end - q_start > 1,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[q_start:q_end] = attn[0].permute(1, 0, 2)
+            kv_start = kv_end
         return out
 
 
@@ -73,32 +95,3 @@ class KernelAttention:
         """As :meth:`TorchAttention.forward`; both pools written in one compiled call."""
         kernels.write_kv(k_pool, v_pool, meta.slot_mapping, k, v)
         return kernels.paged_attention(q, k_pool, v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
-
-
-def _attend_gathered(
-    q: Tensor, k_pool: Tensor, v_pool: Tensor, meta: GatherMetadata, scale: float, out: Tensor
-) -> None:
-    """SDPA of each request over its whole context (earlier chunks and prefix hits too).
-
-    One ``index_select`` per pool copies all those contexts; SDPA then gets 4-D ``[1, H, L, D]`` ``permute``
-    views of it: with 3-D inputs it was measured to fall back to a 3-10x slower path, and making the views
-    contiguous first was 4x slower. ``enable_gqa`` lets the query heads share KV heads without a copy.
-    """
-    k_all = ops.gather_slots(k_pool, meta.context_slots).to(q.dtype)  # an fp16 pool's values, widened exactly
-    v_all = ops.gather_slots(v_pool, meta.context_slots).to(q.dtype)
-    qsl = meta.query_start_list
-    kv_start = 0
-    for i, mask in enumerate(meta.context_masks):
-        q_start, q_end = qsl[i], qsl[i + 1]
-        kv_end = kv_start + meta.seq_lens_list[i]
-        attn = F.scaled_dot_product_attention(
-            q[q_start:q_end].permute(1, 0, 2).unsqueeze(0),
-            k_all[kv_start:kv_end].permute(1, 0, 2).unsqueeze(0),
-            v_all[kv_start:kv_end].permute(1, 0, 2).unsqueeze(0),
-            attn_mask=mask,
-            is_causal=mask is None and q_end - q_start > 1,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[q_start:q_end] = attn[0].permute(1, 0, 2)
-        kv_start = kv_end
