@@ -18,8 +18,6 @@ lengths, which continuous batching makes wide, so per request it is, and decodes
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -34,12 +32,8 @@ class TorchAttention:
     prefill chunk or one decode at a time measured 1e-6 apart), and may depend on the thread count."""
 
     name = "gather"
-
-    def build_metadata(
-        self, block_tables: Sequence[Sequence[int]], query_lens: Sequence[int], seq_lens: Sequence[int], block_size: int
-    ) -> GatherMetadata:
-        """The step's metadata, with the contexts to gather (the same for every layer, so built once a step)."""
-        return GatherMetadata.build(block_tables, query_lens, seq_lens, block_size)
+    # The step's metadata, with the contexts to gather (the same for every layer, so built once a step).
+    build_metadata = GatherMetadata.build
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, meta: GatherMetadata, scale: float
@@ -82,12 +76,8 @@ class KernelAttention:
     """Every row on the compiled kernel in one call: no K/V copy, batch-invariant (see the module docstring)."""
 
     name = "kernel"
-
-    def build_metadata(
-        self, block_tables: Sequence[Sequence[int]], query_lens: Sequence[int], seq_lens: Sequence[int], block_size: int
-    ) -> AttentionMetadata:
-        """The step's metadata: the kernel needs only slots, block tables, lengths and row offsets."""
-        return AttentionMetadata.build(block_tables, query_lens, seq_lens, block_size)
+    # The step's metadata: the kernel needs only slots, block tables, lengths and row offsets.
+    build_metadata = AttentionMetadata.build
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, meta: AttentionMetadata, scale: float
