@@ -14,6 +14,7 @@ large model is read once, not at every start.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -44,26 +45,22 @@ def file_digest(path: Path, memo_dir: Path | None) -> str:
     identity = f"{path.resolve()}\0{info.st_size}\0{info.st_mtime_ns}\0{info.st_ino}".encode()
     memo = memo_dir / hashlib.sha256(identity).hexdigest() if memo_dir is not None else None
     if memo is not None:
-        try:
+        with contextlib.suppress(OSError):
             remembered = memo.read_text().strip()
             if len(remembered) == 64:
                 return remembered
-        except OSError:
-            pass
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
     hexdigest = digest.hexdigest()
     if memo is not None:
-        try:
+        with contextlib.suppress(OSError):  # only a lost memo: the next start reads the file again
             memo_dir.mkdir(mode=0o700, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=memo_dir, prefix=".tmp-")
             with os.fdopen(fd, "w") as f:
                 f.write(hexdigest)
             os.replace(tmp, memo)
-        except OSError:
-            pass  # only a lost memo: the next start reads the file again
     return hexdigest
 
 
