@@ -97,10 +97,8 @@ def snapshot_json(snap: KVSnapshot) -> dict:
     for request_id, table in sorted(snap.tables.items()):
         for block_id in table:
             holders.setdefault(block_id, []).append(request_id)
-    eviction_rank: dict[int, int] = {}
-    for block_id in snap.free_order:
-        if snap.keys[block_id] is not None:
-            eviction_rank[block_id] = len(eviction_rank)
+    cached_free = [block_id for block_id in snap.free_order if snap.keys[block_id] is not None]
+    eviction_rank = {block_id: rank for rank, block_id in enumerate(cached_free)}
     blocks = []
     counts = dict.fromkeys(STATES, 0)
     for block_id, (ref_count, key) in enumerate(zip(snap.ref_counts, snap.keys)):
