@@ -13,7 +13,7 @@ layer's input is gathered whole and each rank computes its slice of the *outputs
 every output keeps the one summation order it has in one process, and TP=N gives TP=1's bits.
 
 Two process groups: ``compute`` (the collectives inside a step) with a short timeout, so a rank that died
-or hangs fails the step within ``timeout_s`` instead of hanging the engine; and ``control`` (the wait for
+or hangs fails the step within ``STEP_TIMEOUT_S`` instead of hanging the engine; and ``control`` (the wait for
 the next step) with a very long one, since a worker of an idle server waits for hours and that is fine.
 ``SINGLE`` is the group of one process: every collective is the identity, and the model code has no
 ``if parallel`` branches.
@@ -111,12 +111,10 @@ class TensorParallel:
 SINGLE = TensorParallel()
 
 
-def join_group(
-    rank: int, world_size: int, init_method: str, exact: bool = False, timeout_s: float = STEP_TIMEOUT_S
-) -> TensorParallel:
+def join_group(rank: int, world_size: int, init_method: str, exact: bool = False) -> TensorParallel:
     """Join (and for the first caller, create) the gloo group; blocks until all ``world_size`` ranks have."""
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=IDLE_TIMEOUT)
-    compute = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    compute = dist.new_group(backend="gloo", timeout=timedelta(seconds=STEP_TIMEOUT_S))
     return TensorParallel(rank, world_size, compute, dist.group.WORLD, exact)
 
 
