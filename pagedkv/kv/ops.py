@@ -37,7 +37,7 @@ def flat_view(pool: Tensor) -> Tensor:
     return pool.view(-1, pool.shape[2], pool.shape[3])
 
 
-def _index_array(indices: Sequence[int] | Tensor, name: str = "block_table") -> np.ndarray:
+def _index_array(indices: Sequence[int] | Tensor) -> np.ndarray:
     """1-D int64 numpy array of ``indices``.
 
     Index math on a few hundred ints is 3-5x cheaper in numpy than in torch, where each op pays a
@@ -45,16 +45,16 @@ def _index_array(indices: Sequence[int] | Tensor, name: str = "block_table") -> 
     """
     if isinstance(indices, Tensor):
         if indices.dtype not in _INDEX_DTYPES:
-            raise ValueError(f"{name} must hold int32 or int64 indices, got {indices.dtype}")
+            raise ValueError(f"block_table must hold int32 or int64 indices, got {indices.dtype}")
         array = indices.cpu().numpy()
     elif len(indices) == 0:
         return np.empty(0, dtype=np.int64)
     else:
         array = np.asarray(indices)
         if array.dtype.kind not in "iu":
-            raise ValueError(f"{name} must be a sequence of ints, got elements of numpy dtype {array.dtype}")
+            raise ValueError(f"block_table must be a sequence of ints, got elements of numpy dtype {array.dtype}")
     if array.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {array.shape}")
+        raise ValueError(f"block_table must be 1-D, got shape {array.shape}")
     return array.astype(np.int64, copy=False)
 
 
