@@ -30,9 +30,8 @@ def build_prefix_tree(
     children: dict[str, list[str]] = {}
     roots: list[str] = []
     for key, block in by_key.items():
-        parent = block["parent"]
-        if parent is not None and parent in by_key:
-            children.setdefault(parent, []).append(key)
+        if block["parent"] in by_key:  # by_key holds no None: a block without a parent is a root
+            children.setdefault(block["parent"], []).append(key)
         else:
             roots.append(key)
     size = _subtree_sizes(roots, children)
