@@ -64,9 +64,6 @@ class ServerLimits:
             kind = float if f.name.endswith("_s") else int
             group.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=f.metadata["help"])
 
-    def prompt_chars(self, max_model_len: int) -> int:
-        return self.max_prompt_chars or 32 * max_model_len
-
     def check(self, body: dict[str, Any], max_model_len: int) -> None:
         """The field-specific bounds, on the raw JSON (before pydantic builds anything from it)."""
         n = body.get("n")
@@ -110,7 +107,7 @@ class ServerLimits:
         if isinstance(messages, list) and len(messages) > self.max_messages:
             raise _limit("messages", f"{len(messages)} messages, at most {self.max_messages}", "max_messages")
         chars = _text_chars(prompt) + _text_chars(messages)
-        limit = self.prompt_chars(max_model_len)
+        limit = self.max_prompt_chars or 32 * max_model_len
         if chars > limit:
             param = "messages" if messages is not None else "prompt"
             raise _limit(param, f"the prompt text has {chars} characters, at most {limit}", "max_prompt_chars")
