@@ -53,8 +53,8 @@ class ServerLimits:
                 raise ValueError(f"{f.name} must be > 0, got {value!r}")
 
     @classmethod
-    def option_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
+    def from_args(cls, args: argparse.Namespace) -> ServerLimits:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:

@@ -59,7 +59,7 @@ def build_replica_app(args: argparse.Namespace, engine_kwargs: dict, replica_cpu
     threads = replica_threads(engine_kwargs, replica_cpus)
     router = {"request_router_class": router_class} if router_class is not None else {}
     router_config = RequestRouterConfig(request_routing_stats_period_s=ROUTING_STATS_PERIOD_S, **router)
-    limits = ServerLimits(**{name: getattr(args, name) for name in ServerLimits.option_names()})
+    limits = ServerLimits.from_args(args)
     engine = serve.deployment(
         EngineReplica,
         name="PagedKVEngine",
