@@ -102,9 +102,7 @@ class PrefixAffinity:
             self._drop_owner(key, replica)
 
     def _drop_owner(self, key: BlockKey, replica: ReplicaKey) -> None:
-        owners = self._owners.get(key)
-        if owners is None:
-            return
+        owners = self._owners[key]
         owners.discard(replica)
         if not owners:
             del self._owners[key]
