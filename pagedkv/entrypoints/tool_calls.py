@@ -205,7 +205,9 @@ def _message_for_prompt(message: dict[str, Any], index: int, native: bool) -> di
     format (the JSON the model would have written; the result wrapped with its call's id) expects them."""
     calls = message.get("tool_calls")
     if calls is not None and message["role"] == "assistant":
-        calls = [_earlier_call(c, f"messages[{index}].tool_calls[{i}]") for i, c in enumerate(_list(calls, index))]
+        if not isinstance(calls, list):
+            raise APIError(400, f"messages[{index}].tool_calls must be a list", param=f"messages[{index}].tool_calls")
+        calls = [_earlier_call(c, f"messages[{index}].tool_calls[{i}]") for i, c in enumerate(calls)]
         if native:
             rendered = [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]
             return {"role": "assistant", "content": message["content"], "tool_calls": rendered}
@@ -218,12 +220,6 @@ def _message_for_prompt(message: dict[str, Any], index: int, native: bool) -> di
         result = {"tool_response": {"tool_call_id": call_id, "content": message["content"]}}
         return {"role": "tool", "content": json.dumps(result, ensure_ascii=False)}
     return {"role": message["role"], "content": message["content"]}
-
-
-def _list(calls: Any, index: int) -> list[Any]:
-    if not isinstance(calls, list):
-        raise APIError(400, f"messages[{index}].tool_calls must be a list", param=f"messages[{index}].tool_calls")
-    return calls
 
 
 def _earlier_call(call: Any, where: str) -> tuple[str, Any]:
