@@ -73,7 +73,8 @@ class ToolPlan:
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
         """The grammar the answer must follow (None: native and "auto", the model's own format, parsed)."""
-        call = _any_of([f.call_schema() for f in self.functions])
+        schemas = [f.call_schema() for f in self.functions]
+        call = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         if self.native:
             if not self.forced:
                 return None
@@ -250,7 +251,3 @@ def _call(value: Any) -> ToolCall | None:
 
 def _object(properties: dict[str, Any]) -> dict[str, Any]:
     return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
-
-
-def _any_of(schemas: list[dict[str, Any]]) -> dict[str, Any]:
-    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
