@@ -118,11 +118,9 @@ async def collect(stream: RequestStream, request: Request) -> list[RequestOutput
 
 
 async def _abort_on_disconnect(stream: RequestStream, request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            stream.abort()
-            return
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    stream.abort()
 
 
 class ClientStalled(Exception):
