@@ -205,8 +205,3 @@ class Ingress:
                     message = "no engine replica could answer: try again"
                     raise APIError(503, message, type="server_error", retry_after=1) from exc
         return ForwardedResponse(first[0], _messages(first[1:], stream), self._stall_timeout_s)
-
-
-def ingress_deployment() -> type:
-    """The Ingress class as Ray Serve's ASGI ingress (its app is built per replica, after ``__init__``)."""
-    return serve.ingress()(Ingress)

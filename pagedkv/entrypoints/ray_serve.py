@@ -53,7 +53,7 @@ def build_replica_app(args: argparse.Namespace, engine_kwargs: dict, replica_cpu
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from pagedkv.entrypoints.ray_deployments import EngineReplica, ingress_deployment
+    from pagedkv.entrypoints.ray_deployments import EngineReplica, Ingress
 
     router_class, routing_kind = ROUTERS[args.router]
     threads = replica_threads(engine_kwargs, replica_cpus)
@@ -73,7 +73,7 @@ def build_replica_app(args: argparse.Namespace, engine_kwargs: dict, replica_cpu
     ).bind({**engine_kwargs, "num_threads": threads}, args.served_model_name, limits)
     api_key = args.api_key or os.environ.get("PAGEDKV_API_KEY") or None
     ingress = serve.deployment(
-        ingress_deployment(),
+        serve.ingress()(Ingress),  # an ASGI ingress: each replica builds its app after __init__
         name="PagedKVIngress",
         num_replicas=1,
         # it only waits on replicas: let it hold every request they can run or queue
