@@ -1,4 +1,4 @@
-"""Request and response bodies of the OpenAI API subset we serve, and OpenAI-style errors.
+"""Request bodies of the OpenAI API subset we serve (the responses are in ``responses``), and OpenAI-style errors.
 
 Requests accept unknown fields (clients such as the ``openai`` package send extras like ``user`` or
 ``store``) but reject the ones whose meaning we would silently ignore (``suffix``, ``logit_bias``,
