@@ -13,6 +13,7 @@ page of code; ``safetensors`` itself is still what writes the converted checkpoi
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Iterator, Mapping
@@ -81,10 +82,7 @@ def _read_header(file: Path) -> dict[str, tuple[int, int, torch.dtype, list[int]
             raise ValueError(f"{str(file)!r}: tensor {name!r} has dtype {info['dtype']}, which pagedkv does not read")
         dtype = SAFETENSORS_DTYPES[info["dtype"]]
         begin, end = info["data_offsets"]
-        count = 1
-        for size in info["shape"]:
-            count *= size
-        if end - begin != count * dtype.itemsize:
+        if end - begin != math.prod(info["shape"]) * dtype.itemsize:
             raise ValueError(f"{str(file)!r}: tensor {name!r} has {end - begin} bytes for shape {info['shape']}")
         entries[name] = (base + begin, base + end, dtype, list(info["shape"]))
     return entries
