@@ -8,12 +8,11 @@ name to a loader that shards the tensor and copies it into its rows of the fused
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-
-from pagedkv.model.layers import Linear
 
 if TYPE_CHECKING:
     from pagedkv.model.llama import LlamaForCausalLM
@@ -50,9 +49,9 @@ def weight_targets(model: LlamaForCausalLM) -> dict[str, WeightLoader]:
             ("mlp.down_proj", mlp.down_proj, 0, rows, once, spec.mlp_bias),
         ]
         for name, linear, offset, weight_shard, bias_shard, has_bias in fused:
-            targets[f"{prefix}{name}.weight"] = weight_shard(_part_copier(linear, "weight", offset))
+            targets[f"{prefix}{name}.weight"] = weight_shard(partial(linear.load_part, "weight", offset))
             if has_bias:
-                targets[f"{prefix}{name}.bias"] = bias_shard(_part_copier(linear, "bias", offset))
+                targets[f"{prefix}{name}.bias"] = bias_shard(partial(linear.load_part, "bias", offset))
         for norm in ("input_layernorm", "post_attention_layernorm"):
             targets[f"{prefix}{norm}.weight"] = _copier(getattr(layer, norm).weight)
         if attn.qk_norm_weight is not None:  # each head's row gets the same per-channel weight
@@ -73,10 +72,6 @@ def _copier(param: Tensor, broadcast: bool = False) -> WeightLoader:
         param.data.copy_(tensor)
 
     return copy
-
-
-def _part_copier(linear: Linear, kind: str, offset: int) -> WeightLoader:
-    return lambda tensor: linear.load_part(kind, offset, tensor)
 
 
 def _sharded(shard: Callable[[Tensor], Tensor]) -> Callable[[WeightLoader], WeightLoader]:
