@@ -77,7 +77,6 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq = inverse_frequencies(head_dim, params)
         angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         cos, sin = angles.cos(), angles.sin()
-        self.max_positions = max_positions
         self.register_buffer("cos", torch.cat([cos, cos], dim=-1), persistent=False)
         self.register_buffer("sin_signed", torch.cat([-sin, sin], dim=-1), persistent=False)
 
