@@ -24,12 +24,9 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
     transformers 5 keeps everything in ``config.rope_parameters``; older configs use ``rope_theta`` plus an
     optional ``rope_scaling`` dict (whose type key was once called ``type``).
     """
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
     legacy = getattr(hf_config, "rope_scaling", None) or {}
-    for key, value in legacy.items():
-        params.setdefault(key, value)
-    if "rope_theta" not in params:
-        params["rope_theta"] = getattr(hf_config, "rope_theta", None) or 10000.0
+    params = {**legacy, **(getattr(hf_config, "rope_parameters", None) or {})}  # the newer keys win
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0)
     params["rope_type"] = params.get("rope_type", params.get("type")) or "default"
     return params
 
