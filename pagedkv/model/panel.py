@@ -27,7 +27,6 @@ from pagedkv import kernels
 from pagedkv.model import codes
 
 PANEL = 16
-GROUP = codes.GROUP
 FORMATS = {"fp32": 0, "q4": 1, "q8": 2}
 
 
@@ -59,8 +58,8 @@ def pack(weight: Tensor, format: str) -> PanelWeight | None:
     if coded is None:
         return None
     q, *scales = coded
-    groups = k // GROUP
-    by_k = _by_group(q.view(n, groups, GROUP), n, groups)  # [panels, groups, 32 k, 16 outputs]
+    groups = k // codes.GROUP
+    by_k = _by_group(q.view(n, groups, codes.GROUP), n, groups)  # [panels, groups, 32 k, 16 outputs]
     if format == "q4":  # two k per byte: even k in the low nibble, odd k in the high one
         by_k = by_k[:, :, 0::2] | (by_k[:, :, 1::2] << 4)
     parts = [by_k.contiguous().view(torch.uint8).flatten(2)]
