@@ -352,14 +352,9 @@ std::vector<Item> plan(const Problem& pr, int64_t batch, Partials& partials) {
       const int64_t r1 = std::min(r0 + kRows, pr.query_loc[b + 1]), parts = (first_pos + r1 - 1) / kPartition + 1;
       if (r1 - r0 == 1) {  // a lone row: an item per KV head (and per partition, when it has several)
         if (parts > 1) partials.first[r0] = slots, slots += parts;
-        for (int64_t h = 0; h < pr.kv_heads; ++h) {
-          if (parts > 1) {
-            for (int64_t part = 0; part < parts; ++part)
-              items.push_back({b, r0, r1, part, part + 1, h, h + 1, keys_in(r0, r1, part) / pr.kv_heads});
-          } else {
-            items.push_back({b, r0, r1, 0, 1, h, h + 1, keys_in(r0, r1, 0) / pr.kv_heads});
-          }
-        }
+        for (int64_t h = 0; h < pr.kv_heads; ++h)
+          for (int64_t part = 0; part < parts; ++part)
+            items.push_back({b, r0, r1, part, part + 1, h, h + 1, keys_in(r0, r1, part) / pr.kv_heads});
       } else {
         int64_t work = 0;
         for (int64_t part = 0; part < parts; ++part) work += keys_in(r0, r1, part);
