@@ -381,20 +381,13 @@ bool has_avx512() {
 using RowsFn = void (*)(const Problem&, int64_t, int64_t);
 using RowsKernels = std::array<std::array<RowsFn, kRows>, 3>;
 
-template <bool Avx512, int F, int R>
-void rows_kernel(const Problem& p, int64_t row, int64_t panel) {
-  if constexpr (Avx512) {
-    rows_avx512<F, R>(p, row, panel);
-  } else {
-    rows_avx2<F, R>(p, row, panel);
-  }
-}
-template <bool Avx512, int F>
-constexpr std::array<RowsFn, kRows> by_rows() {
-  return {rows_kernel<Avx512, F, 1>, rows_kernel<Avx512, F, 2>, rows_kernel<Avx512, F, 3>, rows_kernel<Avx512, F, 4>};
-}
-constexpr RowsKernels kAvx2Rows{by_rows<false, kF32>(), by_rows<false, kQ4>(), by_rows<false, kQ8>()};
-constexpr RowsKernels kAvx512Rows{by_rows<true, kF32>(), by_rows<true, kQ4>(), by_rows<true, kQ8>()};
+template <int F>
+constexpr std::array<RowsFn, kRows> kAvx2ByRows{rows_avx2<F, 1>, rows_avx2<F, 2>, rows_avx2<F, 3>, rows_avx2<F, 4>};
+template <int F>
+constexpr std::array<RowsFn, kRows> kAvx512ByRows{rows_avx512<F, 1>, rows_avx512<F, 2>, rows_avx512<F, 3>,
+                                                  rows_avx512<F, 4>};
+constexpr RowsKernels kAvx2Rows{kAvx2ByRows<kF32>, kAvx2ByRows<kQ4>, kAvx2ByRows<kQ8>};
+constexpr RowsKernels kAvx512Rows{kAvx512ByRows<kF32>, kAvx512ByRows<kQ4>, kAvx512ByRows<kQ8>};
 
 // Panels [begin, end) for every x row. Rows go in as few groups of at most kRows as cover them, of even
 // sizes (6 rows: 3 + 3, not 4 + 2: every group keeps enough chains).
