@@ -111,7 +111,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec = ModelSpec.from_hf_config(hf_config)
         self.tp = tp
-        self.dtype = weight_dtype = WEIGHT_FORMATS[weight_format]
+        weight_dtype = WEIGHT_FORMATS[weight_format]
         self.attention = attention or TorchAttention()
         self.vocab_rows = tp.vocab_rows(spec.vocab_size)  # this rank's slice of the vocabulary
         self.embed_tokens = empty_parameter(self.vocab_rows, spec.hidden_size, dtype=weight_dtype)
