@@ -15,9 +15,9 @@
 //   - tiled (M > 8: prefill, big batches): a quantised panel is expanded to fp32, 256 k at a time, into an
 //     L1-resident buffer and then multiplied like an fp32 one, 6 rows per register tile: the expansion is
 //     paid once per call and panel, not once per row.
-//   - registers (M <= 8: decode): each k's weights of 4 panels (AVX-512) or 2 (AVX2) are de-quantised
-//     straight into registers and used by up to 4 rows at once, with software prefetch; at one row this
-//     reads the weights at close to memory speed, where the tiled path waits on its FMA chains.
+//   - registers (M <= 8: decode): each k's weights of one panel are de-quantised straight into registers
+//     and used by up to 4 rows at once, with software prefetch; at one row this reads the weights at close
+//     to memory speed, where the tiled path waits on its FMA chains.
 //
 // Every output is summed in the same order on both (fused multiply-adds over k within 256-wide chunks, then
 // the chunks), whatever M, the row's position in the batch, the thread split or the vector width: a
