@@ -30,8 +30,8 @@ from pagedkv.engine.core_thread import (
 )
 from pagedkv.engine.metrics import ServerMetrics
 from pagedkv.engine.output_processor import Stop
-from pagedkv.engine.request import CoreOutput, RequestOutput
-from pagedkv.engine.request_stream import RequestStream, output_kind
+from pagedkv.engine.request import CoreOutput, OutputKind, RequestOutput
+from pagedkv.engine.request_stream import RequestStream
 from pagedkv.engine.tokenizer_worker import EnginePrompt, TokenizerWorker
 from pagedkv.sampling import SamplingParams
 
@@ -173,13 +173,14 @@ class AsyncEngine:
         """
         self._admit(len(prompts) * params.n)
         group_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        requests = await self.tokenizer.prepare(group_ids, prompts, params, cache_salt, output_kind(stream))
+        kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
+        requests = await self.tokenizer.prepare(group_ids, prompts, params, cache_salt, kind)
         try:
             self._admit(len(prompts) * params.n)  # preparing took time: look again before queueing
         except Exception:
             self.tokenizer.abort(group_ids)
             raise
-        request = RequestStream(self, request_id, group_ids, requests, stream)
+        request = RequestStream(self, request_id, group_ids, requests)
         for index, engine_id in enumerate(request.engine_ids):
             self._routes[engine_id] = (request, index)
         self._num_sequences += request.num_sequences

@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from pagedkv.engine.request import CompletionOutput, OutputKind, Request, RequestOutput
+from pagedkv.engine.request import CompletionOutput, Request, RequestOutput
 
 if TYPE_CHECKING:
     from pagedkv.engine.async_client import AsyncEngine
@@ -27,14 +27,13 @@ class RequestStream:
     """
 
     def __init__(
-        self, owner: AsyncEngine, request_id: str, group_ids: list[str], requests: list[list[Request]], stream: bool
+        self, owner: AsyncEngine, request_id: str, group_ids: list[str], requests: list[list[Request]]
     ) -> None:
         self.request_id = request_id
         self.engine_ids = group_ids  # one per prompt: the RequestOutput's request_id
         self.sample_ids = [[r.request_id for r in prompt] for prompt in requests]  # the core's ids
         self.n = len(requests[0])
         prompt_lens = [prompt[0].num_prompt_tokens for prompt in requests]
-        self.output_kind = output_kind(stream)
         self.prompt_tokens = sum(prompt_lens)
         self.completion_tokens = 0
         self.cached_tokens: dict[int, int] = {}
@@ -112,7 +111,3 @@ def _merge_sample(a: CompletionOutput, b: CompletionOutput) -> None:
         a.logprobs = (a.logprobs or []) + b.logprobs
         a.top_logprobs = (a.top_logprobs or []) + (b.top_logprobs or [])
     a.finish_reason, a.stop_reason = b.finish_reason, b.stop_reason
-
-
-def output_kind(stream: bool) -> OutputKind:
-    return OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
