@@ -171,19 +171,20 @@ class AsyncEngine:
 
         Raises ValueError (bad input; nothing was queued), EngineOverloaded, EngineStopped or RequestFailed.
         """
-        self._admit(len(prompts) * params.n)
+        sequences = len(prompts) * params.n
+        self._admit(sequences)
         group_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
         requests = await self.tokenizer.prepare(group_ids, prompts, params, cache_salt, kind)
         try:
-            self._admit(len(prompts) * params.n)  # preparing took time: look again before queueing
+            self._admit(sequences)  # preparing took time: look again before queueing
         except Exception:
             self.tokenizer.abort(group_ids)
             raise
         request = RequestStream(self, request_id, group_ids, requests)
         for index, engine_id in enumerate(request.engine_ids):
             self._routes[engine_id] = (request, index)
-        self._num_sequences += request.num_sequences
+        self._num_sequences += sequences
         future = asyncio.get_running_loop().create_future()
         self._thread.submit(AddCommand([r for prompt in requests for r in prompt], future))
         try:

@@ -52,10 +52,6 @@ class RequestStream:
     def finished(self) -> bool:
         return not self.unfinished
 
-    @property
-    def num_sequences(self) -> int:
-        return len(self.unfinished) * self.n
-
     def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         return self._iterate()
 
