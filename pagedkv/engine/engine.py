@@ -151,12 +151,7 @@ class LLMEngine:
                 raise InvalidParameter("prompt", "give a prompt or prompt_token_ids")
             prompt_token_ids = self.encode(prompt)
         requests = self.make_requests(request_id, prompt_token_ids, params, cache_salt)
-        token_ids = requests[0].prompt_token_ids
-        self.processor.add(
-            self.processor.make_group(
-                request_id, [r.request_id for r in requests], prompt, token_ids, params, output_kind
-            )
-        )
+        self.processor.add(self.processor.make_group(requests, prompt, output_kind))
         self.core.add(requests)
         return request_id
 

@@ -23,9 +23,9 @@ from pagedkv.engine.request import (
     CoreOutput,
     OutputKind,
     PromptLogprob,
+    Request,
     RequestOutput,
 )
-from pagedkv.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -90,23 +90,20 @@ class OutputProcessor:
         self.groups: dict[str, GroupState] = {}
         self._samples: dict[str, tuple[GroupState, SampleState]] = {}
 
-    def make_group(
-        self,
-        group_id: str,
-        request_ids: Sequence[str],
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        output_kind: OutputKind,
-    ) -> GroupState:
-        """The output state of a new request group; ``add`` registers it (building it may raise, adding not)."""
+    def make_group(self, requests: Sequence[Request], prompt: str | None, output_kind: OutputKind) -> GroupState:
+        """The output state of a new request group (the n built requests of one prompt); ``add`` registers it
+        (building it may raise, adding not)."""
+        params, prompt_token_ids = requests[0].params, requests[0].prompt_token_ids
         samples = [
             SampleState(
-                rid, i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params), params.logprobs is not None
+                r.request_id,
+                i,
+                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+                params.logprobs is not None,
             )
-            for i, rid in enumerate(request_ids)
+            for i, r in enumerate(requests)
         ]
-        group = GroupState(group_id, prompt, prompt_token_ids, output_kind, samples)
+        group = GroupState(requests[0].group_id, prompt, prompt_token_ids, output_kind, samples)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None] * len(prompt_token_ids)
             group.prompt_logprobs_ready = len(prompt_token_ids) <= 1

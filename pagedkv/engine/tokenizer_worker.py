@@ -67,8 +67,7 @@ class TokenizerWorker:
             requests, groups = [], []
             for group_id, prompt in zip(group_ids, prompts, strict=True):
                 built = self._engine.make_requests(group_id, self._tokenize(prompt), params, cache_salt)
-                ids, prompt_ids = [r.request_id for r in built], built[0].prompt_token_ids
-                groups.append(self.processor.make_group(group_id, ids, prompt.prompt, prompt_ids, params, output_kind))
+                groups.append(self.processor.make_group(built, prompt.prompt, output_kind))
                 requests.append(built)
             for group in groups:
                 self.processor.add(group)
