@@ -12,12 +12,6 @@ from pagedkv.kv.hashing import BlockKey, extend_block_keys
 from pagedkv.sampling import SamplingParams
 
 
-class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
 class OutputKind(enum.Enum):
     """What each RequestOutput of a request carries (vLLM's RequestOutputKind).
 
@@ -55,7 +49,6 @@ class Request:
     cache_salt: str | None = None
     generator: torch.Generator | None = None
     block_size: int = 0
-    status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     cache_miss_reason: str | None = None  # why that hit ended where it did (pagedkv.kv.cache_report)
@@ -106,7 +99,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
+        return self.finish_reason is not None
 
     @property
     def is_prefilling(self) -> bool:

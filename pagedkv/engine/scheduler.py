@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedkv.engine import speculative
-from pagedkv.engine.request import CoreOutput, PromptLogprob, Request, RequestStatus
+from pagedkv.engine.request import CoreOutput, PromptLogprob, Request
 from pagedkv.kv.hashing import BlockKey
 from pagedkv.kv.manager import KVCacheManager, PrefixHit
 from pagedkv.sampler import SamplerOutput
@@ -181,7 +181,6 @@ class Scheduler:
                 request.cache_miss_reason = self.kv.miss_reason(request.block_keys, hit, request.waited_for_block)
             request.num_hit_tokens = hit.num_tokens
             request.num_computed_tokens = start
-            request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
@@ -206,7 +205,6 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id, request.block_keys, request.num_computed_tokens, request.token_ids)
-        request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         self.waiting.appendleft(request)
         self.num_preemptions += 1
@@ -328,7 +326,6 @@ class Scheduler:
         """Mark finished and give its blocks back (its computed full blocks are cached for later hits)."""
         if request.is_finished:
             return
-        request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
         self.kv.free(request.request_id, request.block_keys, request.num_computed_tokens, request.token_ids)
