@@ -114,7 +114,7 @@ class Scheduler:
                 budget -= num_new + len(drafts)
                 i += 1
         if not preempted:
-            budget = self._admit_waiting(budget, scheduled)
+            self._admit_waiting(budget, scheduled)
         return SchedulerOutput(scheduled)
 
     def _allocate(self, request: Request, num_tokens: int, prefix: PrefixHit | None = None) -> bool:
@@ -146,7 +146,7 @@ class Scheduler:
             drafts = drafts[: request.grammar.validate_tokens(drafts)]
         return drafts
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
         """Admit waiting requests in arrival order while blocks, budget and seats last.
 
         A request whose next uncached block is being computed right now by another request (same system
@@ -186,7 +186,6 @@ class Scheduler:
             budget -= num_new
             in_flight.update(request.block_keys[first_new_block : request.num_prompt_tokens // self.kv.block_size])
         self.waiting.extendleft(reversed(deferred))
-        return budget
 
     def _in_flight_keys(self) -> set[BlockKey]:
         """Keys of prompt blocks that running requests have yet to compute."""
