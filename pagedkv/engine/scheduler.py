@@ -289,15 +289,11 @@ class Scheduler:
     def _check_stop(self, request: Request, token: int) -> bool:
         """EOS, a stop token id (after min_tokens), max_tokens or max_model_len: finish, and say so."""
         params = request.params
-        if request.num_output_tokens >= params.min_tokens:
-            if token in self.eos_token_ids and not params.ignore_eos:
-                request.stopped_on_token = True
-                self.finish(request, "stop")
-                return True
-            if token in params.stop_token_id_set:
-                request.stopped_on_token = True
-                self.finish(request, "stop", token)
-                return True
+        eos = token in self.eos_token_ids and not params.ignore_eos
+        if request.num_output_tokens >= params.min_tokens and (eos or token in params.stop_token_id_set):
+            request.stopped_on_token = True
+            self.finish(request, "stop", None if eos else token)
+            return True
         if request.grammar is not None and request.grammar.is_stopped():  # the structure is complete
             self.finish(request, "stop")
             return True
