@@ -51,6 +51,4 @@ class CounterHistory:
 
 
 def _sample(now: float, stats: dict[str, float]) -> dict[str, float]:
-    sample = {"t": now}
-    sample.update({name: float(stats.get(field, 0)) for field, name in RECORDED.items()})
-    return sample
+    return {"t": now, **{name: float(stats.get(field, 0)) for field, name in RECORDED.items()}}
