@@ -47,7 +47,10 @@ class EngineCore:
 
     def finish(self, request_ids: Sequence[str], reason: str, stop_reason: str | None = None) -> None:
         """Stop requests (abort, a stop string found by the output processor); unknown ids are ignored."""
-        self.scheduler.finish_requests(list(request_ids), reason, stop_reason)
+        for request_id in request_ids:
+            request = self.scheduler.requests.get(request_id)  # unfinished requests only
+            if request is not None:
+                self.scheduler.finish(request, reason, stop_reason)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.requests)  # every unfinished request, waiting or running

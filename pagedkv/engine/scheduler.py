@@ -12,7 +12,7 @@ recomputing it later is mostly cache hits.
 The scheduler owns every step transition of a request (vLLM v1's ``update_from_output``): after the model
 ran, it advances ``num_computed_tokens``, verifies drafts, appends the sampled tokens, applies the
 token-level stops (EOS, stop token ids, max_tokens, max_model_len) and frees what finished. Text-level
-stops (stop strings) are the output processor's, which asks for them with ``finish_requests``.
+stops (stop strings) are the output processor's, which asks for them through ``EngineCore.finish``.
 """
 
 from __future__ import annotations
@@ -309,13 +309,6 @@ class Scheduler:
         """Stop a request with finish_reason "error" (its blocks freed); the CoreOutput reports it."""
         self.finish(request, "error")
         return CoreOutput.of(request, [])
-
-    def finish_requests(self, request_ids: list[str], reason: str, stop_reason: str | int | None = None) -> None:
-        """Finish these requests (if still unfinished), e.g. on abort or a stop string; unknown ids are ignored."""
-        for request_id in request_ids:
-            request = self.requests.get(request_id)
-            if request is not None:
-                self.finish(request, reason, stop_reason)
 
     def finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
         """Mark finished and give its blocks back (its computed full blocks are cached for later hits)."""
