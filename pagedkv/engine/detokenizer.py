@@ -55,12 +55,6 @@ def make_decode(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int
     )
 
 
-def _rust_backend(tokenizer: Any) -> Tokenizer | None:
-    """The `tokenizers.Tokenizer` behind an HF fast tokenizer (or the tokenizer itself), else None."""
-    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
-    return backend if isinstance(backend, Tokenizer) else None
-
-
 class _WindowDecoder:
     """The decode window of the module docstring, for any tokenizer with a `decode`.
 
@@ -237,11 +231,11 @@ class IncrementalDetokenizer:
         if context and decode(context).endswith(_REPLACEMENT_CHAR):
             # A prompt that ends inside a character would swallow the output's first bytes: decode alone.
             context = []
-        backend = _rust_backend(tokenizer)
+        backend = getattr(tokenizer, "backend_tokenizer", tokenizer)  # an HF fast tokenizer's Rust side
         self._decoder = (
-            _WindowDecoder(decode, context)
-            if backend is None
-            else _StreamDecoder(backend, decode, context, params.skip_special_tokens)
+            _StreamDecoder(backend, decode, context, params.skip_special_tokens)
+            if isinstance(backend, Tokenizer)
+            else _WindowDecoder(decode, context)
         )
         self._text = ""  # all text decoded so far, cut at a matched stop string; output_text is a prefix
         self._finished = False
