@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import takewhile
 from typing import TYPE_CHECKING
 
 from pagedkv.kv import cache_report
@@ -89,9 +90,8 @@ class KVCacheManager:
         disk = self.disk
         if disk is None or not self.enable_prefix_caching:
             return 0
-        max_blocks = min(len(block_keys), max(num_prompt_tokens - 1, 0) // self.block_size)
         chain: list[int | None] = []  # per leading block: its block id if in memory, None if on disk
-        for key in block_keys[:max_blocks]:
+        for key in block_keys[: max(num_prompt_tokens - 1, 0) // self.block_size]:
             block_id = self.pool.lookup(key)
             if block_id is None and not disk.contains(key):
                 break
@@ -123,14 +123,8 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return PrefixHit([], 0, 0)
-        max_blocks = min(len(block_keys), max(num_prompt_tokens - 1, 0) // self.block_size)
-        block_ids: list[int] = []
-        lookup = self.pool.lookup
-        for key in block_keys[:max_blocks]:
-            block_id = lookup(key)
-            if block_id is None:
-                break
-            block_ids.append(block_id)
+        found = map(self.pool.lookup, block_keys[: max(num_prompt_tokens - 1, 0) // self.block_size])
+        block_ids = list(takewhile(lambda block_id: block_id is not None, found))
         keys = list(block_keys[: len(block_ids)])
         return PrefixHit(block_ids, len(block_ids) * self.block_size, num_prompt_tokens, keys)
 
