@@ -162,19 +162,17 @@ class KVCacheManager:
         if self.num_blocks_needed(request_id, num_tokens, prefix) > self.pool.num_free_blocks:
             return False
         table = self._tables.setdefault(request_id, [])
-        num_new = -(-num_tokens // self.block_size) - len(table)
-        if is_new:
-            self._num_keyed[request_id] = 0
+        self._num_keyed.setdefault(request_id, 0)
         if prefix is not None:
             self.pool.touch(prefix.block_ids)
             self.pool.record_hits(prefix.block_ids)
             if self.disk is not None:
                 self.disk.touch(prefix.block_keys)
             table.extend(prefix.block_ids)
-            num_new -= len(prefix.block_ids)
             self._num_keyed[request_id] = len(prefix.block_ids)
             self.num_queried_tokens += prefix.num_queried_tokens
             self.num_hit_tokens += prefix.num_tokens
+        num_new = -(-num_tokens // self.block_size) - len(table)
         if num_new > 0:
             table.extend(self.pool.take_new(num_new))
         return True
