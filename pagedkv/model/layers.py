@@ -8,8 +8,6 @@ differs from the fp32 one only by weight rounding and bf16 GEMM outputs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -17,6 +15,7 @@ from torch import Tensor, nn
 from pagedkv import kernels
 from pagedkv.model import panel
 from pagedkv.model.panel import PanelWeight
+from pagedkv.parallel.group import TensorParallel
 
 # The weight formats (``EngineConfig.weight_format``) and the dtype each keeps its linear weights in. "gguf":
 # fp32 weights and math, computed from the GGUF file's exact 4-bit (and 8-bit) codes (see Linear.use_panel).
@@ -143,24 +142,16 @@ class RMSNorm(nn.Module):
 class SwiGLU(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one GEMM.
 
-    A tensor-parallel shard passes ``row_parallel`` (how down_proj's output becomes whole on every rank) and,
-    when its down_proj is not ``intermediate -> hidden``, ``down_shape`` (in, out).
+    ``tp``: this rank's shard -- its rows of gate and up (column-parallel) and down_proj row-parallel, made
+    whole on every rank by ``tp.row_parallel``.
     """
 
-    def __init__(
-        self,
-        hidden: int,
-        intermediate: int,
-        bias: bool,
-        dtype: torch.dtype,
-        row_parallel: Callable[[Linear, Tensor], Tensor] | None = None,
-        down_shape: tuple[int, int] | None = None,
-    ) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype, tp: TensorParallel) -> None:
         super().__init__()
-        self.intermediate = intermediate
-        self.row_parallel = row_parallel
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias, dtype)
-        self.down_proj = Linear(*(down_shape or (intermediate, hidden)), bias, dtype)
+        self.intermediate = tp.split(intermediate, "MLP width")  # this rank's share
+        self.tp = tp
+        self.gate_up_proj = Linear(hidden, 2 * self.intermediate, bias, dtype)
+        self.down_proj = Linear(*tp.row_parallel_shape(self.intermediate, hidden), bias, dtype)
         self.compiled = False  # one C++ pass for silu(gate) * up (set by the model with its compiled kernels)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -170,4 +161,4 @@ class SwiGLU(nn.Module):
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)
             hidden = F.silu(gate) * up
-        return self.down_proj(hidden) if self.row_parallel is None else self.row_parallel(self.down_proj, hidden)
+        return self.tp.row_parallel(self.down_proj, hidden)

@@ -51,11 +51,8 @@ class LlamaAttention(nn.Module):
         self.tp = tp
         qkv_size = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = Linear(spec.hidden_size, qkv_size, spec.qkv_bias, dtype)
-        if tp.exact:  # rows of the output over the whole gathered input (see TensorParallel.row_parallel)
-            out_size = tp.split(spec.hidden_size, "hidden size")
-            self.o_proj = Linear(spec.num_heads * spec.head_dim, out_size, spec.o_bias, dtype)
-        else:
-            self.o_proj = Linear(self.num_heads * spec.head_dim, spec.hidden_size, spec.o_bias, dtype)
+        o_shape = tp.row_parallel_shape(self.num_heads * self.head_dim, spec.hidden_size)  # (in, out)
+        self.o_proj = Linear(*o_shape, spec.o_bias, dtype)
         # Qwen3's q_norm and k_norm, one row per head ([Hq + Hkv, D]) so both run as one normalisation.
         rows = self.num_heads + self.num_kv_heads
         self.qk_norm_weight = empty_parameter(rows, spec.head_dim, dtype=torch.float32) if spec.qk_norm else None
@@ -83,10 +80,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = LlamaAttention(spec, dtype, attention, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        intermediate = tp.split(spec.intermediate_size, "MLP width")
-        # exact: down_proj's output rows over the whole gathered input (see TensorParallel.row_parallel)
-        down = (spec.intermediate_size, tp.split(spec.hidden_size, "hidden size")) if tp.exact else None
-        self.mlp = SwiGLU(spec.hidden_size, intermediate, spec.mlp_bias, dtype, tp.row_parallel, down)
+        self.mlp = SwiGLU(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, dtype, tp)
 
     def forward(
         self, h: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, kv_cache: tuple[Tensor, Tensor]

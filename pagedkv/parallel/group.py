@@ -93,6 +93,13 @@ class TensorParallel:
             return self.all_gather(linear(self.all_gather(x)))
         return self.all_reduce(linear(x))
 
+    def row_parallel_shape(self, local_in: int, out_features: int) -> tuple[int, int]:
+        """``(in, out)`` of this rank's weight of a row-parallel layer whose input slice is ``local_in`` wide: that
+        slice to every output, or (``exact``) the whole gathered input to this rank's slice of the outputs."""
+        if self.exact:
+            return local_in * self.world_size, self.split(out_features, "hidden size")
+        return local_in, out_features
+
     def gather_logits(self, local: Tensor, vocab_size: int) -> Tensor:
         """Rank 0: the full ``[rows, vocab_size]`` logits from every rank's slice; other ranks: their slice."""
         if self.world_size == 1:
