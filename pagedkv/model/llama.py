@@ -135,13 +135,12 @@ class LlamaForCausalLM(nn.Module):
         gemm = kernels.gemm.available()
         self._stack = None  # the layers may fit the compiled stack now
         formats: Counter[str] = Counter()
+        candidates = (*_CODES, "fp32") if quantized else ("fp32",)  # a layer takes the first that packs it
         for module in (root or self).modules():
             if isinstance(module, (RMSNorm, SwiGLU, LlamaAttention)):
                 module.compiled = True
             if gemm and isinstance(module, Linear) and module.panel is None:
-                chosen = next((f for f in _CODES if quantized and module.use_panel(f)), None)
-                if chosen is None and module.use_panel("fp32"):
-                    chosen = "fp32"
+                chosen = next((f for f in candidates if module.use_panel(f)), None)
                 if chosen is not None:
                     formats[chosen] += 1
                     tied = module.weight is self.embed_tokens
