@@ -41,32 +41,28 @@ def encode_q8(weight: Tensor) -> tuple[Tensor, Tensor] | None:
 def _probed(weight: Tensor, encode):
     if weight.dim() != 2 or weight.shape[1] % GROUP != 0 or not weight.is_floating_point():
         return None
-    w = weight.detach().float()
-    if w.shape[0] > _PROBE_ROWS and encode(w[:_PROBE_ROWS]) is None:
+    groups = weight.detach().float().unflatten(1, (-1, GROUP))  # [n, k // 32, 32]
+    if groups.shape[0] > _PROBE_ROWS and encode(groups[:_PROBE_ROWS]) is None:
         return None
-    return encode(w)
+    return encode(groups)
 
 
-def _q4(w: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
-    n, k = w.shape
-    groups = w.reshape(n, k // GROUP, GROUP)
+def _q4(groups: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
     low, high = torch.aminmax(groups, dim=-1)
     m = low.half().float()
     d = ((high - low) / Q4_LEVELS).half().float()
     q = (groups - m.unsqueeze(-1)).mul_(_inverse(d)).round_().clamp_(0, Q4_LEVELS)
     if not torch.equal(q * d.unsqueeze(-1) + m.unsqueeze(-1), groups):
         return None
-    return q.to(torch.uint8).view(n, k), d, m
+    return q.to(torch.uint8).flatten(1), d, m
 
 
-def _q8(w: Tensor) -> tuple[Tensor, Tensor] | None:
-    n, k = w.shape
-    groups = w.reshape(n, k // GROUP, GROUP)
+def _q8(groups: Tensor) -> tuple[Tensor, Tensor] | None:
     d = (groups.abs().amax(dim=-1) / Q8_LEVELS).half().float()
     q = (groups * _inverse(d)).round_().clamp_(-Q8_LEVELS, Q8_LEVELS)
     if not torch.equal(q * d.unsqueeze(-1), groups):
         return None
-    return q.to(torch.int8).view(n, k), d
+    return q.to(torch.int8).flatten(1), d
 
 
 def _inverse(d: Tensor) -> Tensor:
