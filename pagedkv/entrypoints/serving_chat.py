@@ -29,7 +29,6 @@ from pagedkv.entrypoints.responses import (
     ChatCompletionResponse,
     ChatDelta,
     DeltaToolCall,
-    FunctionCall,
     PromptLogprobs,
     ToolCallResponse,
 )
@@ -87,8 +86,7 @@ def _answer(
     if tools is None:
         return text, [], finish_reason
     content, calls = tools.parse(text)
-    responses = [ToolCallResponse(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
-    return content, responses, "tool_calls" if calls and finish_reason == "stop" else finish_reason
+    return content, calls, "tool_calls" if calls and finish_reason == "stop" else finish_reason
 
 
 def _whole_answer_delta(tools: ToolPlan, text: str, finish_reason: str | None) -> tuple[ChatDelta, str | None]:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.entrypoints.protocol import APIError
+from pagedkv.entrypoints.responses import FunctionCall, ToolCallResponse
 from pagedkv.structured import StructuredOutputsParams, lark_json
 
 MAX_TOOLS = 128
@@ -48,13 +49,6 @@ class Function:
     def call_schema(self) -> dict[str, Any]:
         """One call of this function: its name, and arguments valid under its parameter schema."""
         return _object({"name": {"const": self.name}, "arguments": self.parameters})
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +101,7 @@ class ToolPlan:
             how += " Call one function at a time."
         return f"You can call these functions:\n{tools}\n{how}"
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def parse(self, text: str) -> tuple[str | None, list[ToolCallResponse]]:
         """(content, tool calls) of a finished answer; an answer that does not parse (cut by max_tokens, or
         a native "auto" answer without calls) is plain content."""
         if self.native:
@@ -236,8 +230,8 @@ def _earlier_call(call: Any, where: str) -> tuple[str, Any]:
         raise APIError(400, f"{where}.function.arguments is not JSON: {exc}", param=where) from exc
 
 
-def _call(value: Any) -> ToolCall | None:
-    """A parsed call object -- or its JSON text -- as a ToolCall; None if it is not one."""
+def _call(value: Any) -> ToolCallResponse | None:
+    """A parsed call object -- or its JSON text -- as the response's tool call; None if it is not one."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -246,7 +240,8 @@ def _call(value: Any) -> ToolCall | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
-    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", value["name"], json.dumps(arguments, ensure_ascii=False))
+    function = FunctionCall(name=value["name"], arguments=json.dumps(arguments, ensure_ascii=False))
+    return ToolCallResponse(id=f"call_{uuid.uuid4().hex[:24]}", function=function)
 
 
 def _object(properties: dict[str, Any]) -> dict[str, Any]:
