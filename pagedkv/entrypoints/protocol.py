@@ -204,7 +204,7 @@ class ChatMessage(BaseModel):
 
     def as_template_dict(self, index: int) -> dict[str, Any]:
         """Flatten text content parts (the chat template only knows plain strings); an assistant's
-        ``tool_calls`` and a tool result's ``tool_call_id`` ride along (see ``tool_calls.prompt_messages``)."""
+        ``tool_calls`` and a tool result's ``tool_call_id`` ride along (see ``tool_calls.chat_prompt``)."""
         if self.content is None or isinstance(self.content, str):
             text = self.content or ""
         else:

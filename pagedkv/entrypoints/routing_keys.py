@@ -23,7 +23,7 @@ from pagedkv.engine.prompts import encode_text, render_chat
 from pagedkv.engine.tokenizer_worker import EnginePrompt
 from pagedkv.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from pagedkv.entrypoints.serving_completions import completion_prompts
-from pagedkv.entrypoints.tool_calls import plan_tools, prompt_messages, template_supports_tools
+from pagedkv.entrypoints.tool_calls import chat_prompt, plan_tools, template_supports_tools
 from pagedkv.kv.hashing import BlockKey, extend_block_keys
 
 MAX_KEYED_BODY_BYTES = 256 * 1024
@@ -84,10 +84,7 @@ class RoutingKeys:
         if path == CHAT_PATH:
             chat = ChatCompletionRequest.model_validate(body)
             tools = plan_tools(chat.tools, chat.tool_choice, chat.parallel_tool_calls, self.native_tools)
-            messages = [m.as_template_dict(i) for i, m in enumerate(chat.messages)]
-            rendered = prompt_messages(messages, tools, self.native_tools)
-            template_tools = tools.template_tools() if tools is not None else None
-            return EnginePrompt(messages=rendered, tools=template_tools), chat.cache_salt
+            return chat_prompt(chat.messages, tools, self.native_tools), chat.cache_salt
         return None, None
 
     def _token_ids(self, prompt: EnginePrompt) -> list[int]:

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pagedkv.engine.async_client import EnginePrompt, RequestStream
+from pagedkv.engine.async_client import RequestStream
 from pagedkv.engine.request import RequestOutput
 from pagedkv.entrypoints.prompt_scores import vllm_prompt_logprobs
 from pagedkv.entrypoints.protocol import ChatCompletionRequest
@@ -40,7 +40,7 @@ from pagedkv.entrypoints.serving import (
     fresh_samples,
     usage,
 )
-from pagedkv.entrypoints.tool_calls import ToolPlan, plan_tools, prompt_messages
+from pagedkv.entrypoints.tool_calls import ToolPlan, chat_prompt, plan_tools
 
 
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, request: Request) -> Response:
@@ -49,8 +49,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, ctx.native_tools)
     tool_grammar = tools.structured_outputs() if tools is not None else None
     params = body.to_sampling_params(tool_grammar)
-    messages = prompt_messages([m.as_template_dict(i) for i, m in enumerate(body.messages)], tools, ctx.native_tools)
-    prompt = [EnginePrompt(messages=messages, tools=tools.template_tools() if tools is not None else None)]
+    prompt = [chat_prompt(body.messages, tools, ctx.native_tools)]
     renames = {"structured_outputs": "tools"} if tool_grammar is not None else body.grammar_renames()
     stream = await ctx.start("chatcmpl", prompt, params, body.cache_salt, "messages", body.stream, renames)
     if body.stream:

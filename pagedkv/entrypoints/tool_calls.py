@@ -26,7 +26,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pagedkv.entrypoints.protocol import APIError
+from pagedkv.engine.tokenizer_worker import EnginePrompt
+from pagedkv.entrypoints.protocol import APIError, ChatMessage
 from pagedkv.entrypoints.responses import FunctionCall, ToolCallResponse
 from pagedkv.structured import StructuredOutputsParams, lark_json
 
@@ -183,16 +184,18 @@ def _choice(tool_choice: Any, names: list[str]) -> str:
     return name
 
 
-def prompt_messages(messages: list[dict[str, Any]], plan: ToolPlan | None, native: bool) -> list[dict[str, Any]]:
+def chat_prompt(messages: list[ChatMessage], plan: ToolPlan | None, native: bool) -> EnginePrompt:
     """The conversation for the chat template: earlier calls and tool results in the format the model
-    answers in, and for the generic format the tools and the answer format added to the system message."""
-    messages = [_message_for_prompt(m, i, native) for i, m in enumerate(messages)]
+    answers in; the tools go to a native template, or for the generic format, with the answer format, into
+    the system message."""
+    flat = [m.as_template_dict(i) for i, m in enumerate(messages)]
+    rendered = [_message_for_prompt(m, i, native) for i, m in enumerate(flat)]
     instructions = plan.system_instructions() if plan is not None else None
-    if instructions is None:
-        return messages
-    if messages and messages[0]["role"] == "system":
-        return [dict(messages[0], content=f"{messages[0]['content']}\n\n{instructions}"), *messages[1:]]
-    return [{"role": "system", "content": instructions}, *messages]
+    if instructions is not None and rendered and rendered[0]["role"] == "system":
+        rendered = [dict(rendered[0], content=f"{rendered[0]['content']}\n\n{instructions}"), *rendered[1:]]
+    elif instructions is not None:
+        rendered = [{"role": "system", "content": instructions}, *rendered]
+    return EnginePrompt(messages=rendered, tools=plan.template_tools() if plan is not None else None)
 
 
 def _message_for_prompt(message: dict[str, Any], index: int, native: bool) -> dict[str, Any]:
