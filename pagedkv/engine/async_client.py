@@ -30,9 +30,10 @@ from pagedkv.engine.core_thread import (
 )
 from pagedkv.engine.metrics import ServerMetrics
 from pagedkv.engine.output_processor import Stop
+from pagedkv.engine.prompts import EnginePrompt
 from pagedkv.engine.request import CoreOutput, OutputKind, RequestOutput
 from pagedkv.engine.request_stream import RequestStream
-from pagedkv.engine.tokenizer_worker import EnginePrompt, TokenizerWorker
+from pagedkv.engine.tokenizer_worker import TokenizerWorker
 from pagedkv.sampling import SamplingParams
 
 if TYPE_CHECKING:

@@ -19,11 +19,10 @@ import copy
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pagedkv.engine.output_processor import OutputProcessor, Stop
-from pagedkv.engine.prompts import encode_text, render_chat
+from pagedkv.engine.prompts import EnginePrompt
 from pagedkv.engine.request import CoreOutput, OutputKind, Request, RequestOutput
 from pagedkv.sampling import SamplingParams
 
@@ -31,17 +30,6 @@ if TYPE_CHECKING:
     from pagedkv.engine.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class EnginePrompt:
-    """One prompt as text, token ids, or chat messages (tokenized on the tokenizer worker); ``tools`` go to
-    a chat template that renders them itself."""
-
-    prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
-    messages: list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
 
 
 class TokenizerWorker:
@@ -66,7 +54,7 @@ class TokenizerWorker:
         def build() -> list[list[Request]]:  # on the worker
             requests, groups = [], []
             for group_id, prompt in zip(group_ids, prompts, strict=True):
-                built = self._engine.make_requests(group_id, self._tokenize(prompt), params, cache_salt)
+                built = self._engine.make_requests(group_id, prompt.token_ids(self._tokenizer), params, cache_salt)
                 groups.append(self.processor.make_group(built, prompt.prompt, output_kind))
                 requests.append(built)
             for group in groups:
@@ -116,18 +104,6 @@ class TokenizerWorker:
     def _abort(self, group_ids: list[str]) -> None:
         for group_id in group_ids:
             self.processor.abort(group_id)
-
-    def _tokenize(self, prompt: EnginePrompt) -> list[int]:
-        if prompt.prompt_token_ids is not None:
-            return list(prompt.prompt_token_ids)
-        if prompt.messages is not None:
-            try:
-                return render_chat(self._tokenizer, prompt.messages, tools=prompt.tools)
-            except Exception as exc:
-                raise ValueError(f"messages could not be rendered with the model's chat template: {exc}") from exc
-        if prompt.prompt is None:
-            raise ValueError("give a prompt, prompt token ids, or messages")
-        return encode_text(self._tokenizer, prompt.prompt)
 
     def _decode_vocabulary(self) -> list[str]:
         backend = getattr(self._tokenizer, "backend_tokenizer", None)

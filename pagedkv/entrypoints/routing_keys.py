@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedkv.engine.prompts import encode_text, render_chat
-from pagedkv.engine.tokenizer_worker import EnginePrompt
+from pagedkv.engine.prompts import EnginePrompt
 from pagedkv.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from pagedkv.entrypoints.serving_completions import completion_prompts
 from pagedkv.entrypoints.tool_calls import chat_prompt, plan_tools, template_supports_tools
@@ -73,7 +72,7 @@ class RoutingKeys:
             text = self._text(prompt)
             return RoutingKey(text=f"{salt}\n{text}" if salt else text or fallback.text)
         keys: list[BlockKey] = []
-        extend_block_keys(keys, self._token_ids(prompt), self.block_size, salt)
+        extend_block_keys(keys, prompt.token_ids(self.tokenizer), self.block_size, salt)
         return RoutingKey(block_keys=tuple(keys), text=fallback.text)
 
     def _prompt(self, path: str, body: Any) -> tuple[EnginePrompt | None, str | None]:
@@ -86,13 +85,6 @@ class RoutingKeys:
             tools = plan_tools(chat.tools, chat.tool_choice, chat.parallel_tool_calls, self.native_tools)
             return chat_prompt(chat.messages, tools, self.native_tools), chat.cache_salt
         return None, None
-
-    def _token_ids(self, prompt: EnginePrompt) -> list[int]:
-        if prompt.prompt_token_ids is not None:
-            return list(prompt.prompt_token_ids)
-        if prompt.messages is not None:
-            return render_chat(self.tokenizer, prompt.messages, tools=prompt.tools)
-        return encode_text(self.tokenizer, prompt.prompt or "")
 
     def _text(self, prompt: EnginePrompt) -> str:
         if prompt.prompt_token_ids is not None:

@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pagedkv.engine.tokenizer_worker import EnginePrompt
+from pagedkv.engine.prompts import EnginePrompt
 from pagedkv.entrypoints.protocol import APIError, ChatMessage
 from pagedkv.entrypoints.responses import FunctionCall, ToolCallResponse
 from pagedkv.structured import StructuredOutputsParams, lark_json
