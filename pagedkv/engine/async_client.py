@@ -31,7 +31,7 @@ from pagedkv.engine.core_thread import (
 from pagedkv.engine.metrics import ServerMetrics
 from pagedkv.engine.output_processor import Stop
 from pagedkv.engine.prompts import EnginePrompt
-from pagedkv.engine.request import CoreOutput, OutputKind, RequestOutput
+from pagedkv.engine.request import OutputKind, RequestOutput
 from pagedkv.engine.request_stream import RequestStream
 from pagedkv.engine.tokenizer_worker import TokenizerWorker
 from pagedkv.sampling import SamplingParams
@@ -81,7 +81,7 @@ class AsyncEngine:
         self.engine = engine
         self.max_queued_seqs = max_queued_seqs
         self.metrics = ServerMetrics(self.stats)
-        self.tokenizer = TokenizerWorker(engine)
+        self.tokenizer = TokenizerWorker(engine, self._processed)
         self.failed = False  # the engine thread died: the server must exit (non-zero) to be restarted
         self.on_death: Callable[[], None] | None = None
         self._thread: EngineThread | None = None
@@ -94,13 +94,10 @@ class AsyncEngine:
         """Start the engine thread; call from the event loop that will consume the outputs."""
         self._loop = asyncio.get_running_loop()
         core = self.engine.core
-        self._thread = EngineThread(core, self._loop, self._on_core_outputs, self._fail, self._died, self._set_stats)
+        # each step's token ids go to the worker, and the engine thread goes on with the next step
+        self._thread = EngineThread(core, self._loop, self.tokenizer.process, self._fail, self._died, self._set_stats)
         self._thread.start()
         self._accepting = True
-
-    def _on_core_outputs(self, outputs: list[CoreOutput]) -> None:
-        """On the engine thread: hand a step's token ids to the worker and go on with the next step."""
-        self.tokenizer.process(outputs, self._processed)
 
     def _processed(self, outputs: list[RequestOutput], stops: list[Stop]) -> None:
         """On the worker: stop strings go to the engine thread, outputs to the loop."""

@@ -33,8 +33,9 @@ logger = logging.getLogger(__name__)
 
 
 class TokenizerWorker:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, done: Callable[[list[RequestOutput], list[Stop]], None]) -> None:
         self._engine = engine  # only its fixed settings are read here (make_requests)
+        self._done = done  # called on the worker with each step's outputs and stop strings
         self._tokenizer = copy.deepcopy(engine.tokenizer)
         self.processor = OutputProcessor(self._tokenizer)  # touched on the worker thread only
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedkv-tokenizer")
@@ -63,9 +64,9 @@ class TokenizerWorker:
 
         return await asyncio.wrap_future(self._pool.submit(build))
 
-    def process(self, outputs: list[CoreOutput], done: Callable[[list[RequestOutput], list[Stop]], None]) -> None:
+    def process(self, outputs: list[CoreOutput]) -> None:
         """Detokenize one step's outputs on the worker (in step order), then call ``done`` there."""
-        self._submit(self._process, outputs, done)
+        self._submit(self._process, outputs)
 
     def abort(self, group_ids: list[str]) -> None:
         """Forget these requests' output state (on the worker, after everything submitted before)."""
@@ -92,14 +93,14 @@ class TokenizerWorker:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _process(self, outputs: list[CoreOutput], done: Callable[[list[RequestOutput], list[Stop]], None]) -> None:
+    def _process(self, outputs: list[CoreOutput]) -> None:
         try:
             results, stops = self.processor.process(outputs)
         except Exception:  # the processor guards each request; this is a bug: fail what it holds, stay up
             logger.exception("the output processor failed; stopping every request it holds")
             stops = [Stop(s.request_id, "error") for g in self.processor.groups.values() for s in g.samples]
             results = [self.processor.fail(group_id) for group_id in list(self.processor.groups)]
-        done(results, stops)
+        self._done(results, stops)
 
     def _abort(self, group_ids: list[str]) -> None:
         for group_id in group_ids:
