@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -106,14 +107,8 @@ def _prompt_scores(ctx: ServingContext, body: ChatCompletionRequest, output: Req
 async def _stream_events(
     ctx: ServingContext, stream: RequestStream, body: ChatCompletionRequest, n: int, tools: ToolPlan | None
 ) -> AsyncIterator[ChatCompletionChunk]:
-    created = int(time.time())
-
-    def chunk(choices: list[ChatChunkChoice], **extra) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            id=stream.request_id, created=created, model=ctx.model_name, choices=choices, **extra
-        )
-
-    yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")) for i in range(n)])
+    chunk = partial(ChatCompletionChunk, id=stream.request_id, created=int(time.time()), model=ctx.model_name)
+    yield chunk(choices=[ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")) for i in range(n)])
     reported: set[tuple[int, int]] = set()
     answers = [""] * n  # with tools: each sample's text so far, parsed when it finishes
     scores_sent = False
@@ -137,6 +132,6 @@ async def _stream_events(
         scores = None if scores_sent else _prompt_scores(ctx, body, output)
         scores_sent |= scores is not None
         if choices or scores:
-            yield chunk(choices, prompt_logprobs=scores)
+            yield chunk(choices=choices, prompt_logprobs=scores)
     if body.include_usage:
-        yield chunk([], usage=usage(stream))
+        yield chunk(choices=[], usage=usage(stream))

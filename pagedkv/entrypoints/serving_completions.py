@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -94,7 +95,7 @@ def _choice(
 async def _stream_events(
     ctx: ServingContext, stream: RequestStream, body: CompletionRequest, n: int
 ) -> AsyncIterator[CompletionResponse]:
-    created = int(time.time())
+    chunk = partial(CompletionResponse, id=stream.request_id, created=int(time.time()), model=ctx.model_name)
     reported: set[tuple[int, int]] = set()
     sent_chars: dict[tuple[int, int], int] = {}  # text already streamed per choice: logprobs' text_offset
     async for index, output in stream:
@@ -108,8 +109,6 @@ async def _stream_events(
             sent_chars[key] = offset + len(choice.text)
             choices.append(choice)
         if choices:
-            yield CompletionResponse(id=stream.request_id, created=created, model=ctx.model_name, choices=choices)
+            yield chunk(choices=choices)
     if body.include_usage:
-        yield CompletionResponse(
-            id=stream.request_id, created=created, model=ctx.model_name, choices=[], usage=usage(stream)
-        )
+        yield chunk(choices=[], usage=usage(stream))
