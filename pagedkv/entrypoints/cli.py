@@ -105,9 +105,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_kv_map(args: argparse.Namespace) -> int:
     from pagedkv.kv_map import fetch_kv_json, save_kv_map
 
-    api_key = args.api_key or os.environ.get("PAGEDKV_API_KEY") or None
     try:
-        data = fetch_kv_json(args.server, api_key)
+        data = fetch_kv_json(args.server, args.api_key)
     except OSError as exc:
         print(f"could not read {args.server.rstrip('/')}/kv.json: {exc}", file=sys.stderr)
         return 1
@@ -175,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if "api_key" in args:  # serve and kv-map: the option, else the environment
+        args.api_key = args.api_key or os.environ.get("PAGEDKV_API_KEY") or None
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )

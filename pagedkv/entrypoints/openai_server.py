@@ -13,7 +13,6 @@ import hmac
 import ipaddress
 import json
 import logging
-import os
 import signal
 import socket
 from collections.abc import AsyncIterator
@@ -277,8 +276,7 @@ def serve(args: argparse.Namespace, engine_kwargs: dict) -> int:
 
     engine = load_engine(EngineConfig(**engine_kwargs))  # on a thread that exits: see load_engine
     limits = ServerLimits.from_args(args)
-    api_key = args.api_key or os.environ.get("PAGEDKV_API_KEY") or None
-    app = build_app(engine, args.served_model_name, api_key, limits=limits, loopback_only=is_loopback(args.host))
+    app = build_app(engine, args.served_model_name, args.api_key, limits=limits, loopback_only=is_loopback(args.host))
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
     return run_server(server)
 

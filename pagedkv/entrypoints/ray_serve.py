@@ -71,7 +71,6 @@ def build_replica_app(args: argparse.Namespace, engine_kwargs: dict, replica_cpu
         },
         request_router_config=router_config,
     ).bind({**engine_kwargs, "num_threads": threads}, args.served_model_name, limits)
-    api_key = args.api_key or os.environ.get("PAGEDKV_API_KEY") or None
     ingress = serve.deployment(
         serve.ingress()(Ingress),  # an ASGI ingress: each replica builds its app after __init__
         name="PagedKVIngress",
@@ -85,7 +84,7 @@ def build_replica_app(args: argparse.Namespace, engine_kwargs: dict, replica_cpu
         engine_kwargs["model"],
         engine_kwargs["block_size"],
         routing_kind,
-        api_key,
+        args.api_key,
         is_loopback(args.host),
         limits.stream_stall_timeout_s,
     )
