@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, TypeVar
 
 import uvicorn
 from fastapi import FastAPI
-from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -141,12 +140,10 @@ class RequestGate:
         return limited
 
 
-def _validation_error(exc: RequestValidationError | ValidationError) -> APIError:
-    errors = exc.errors(include_url=False, include_input=False) if isinstance(exc, ValidationError) else exc.errors()
+def _validation_error(exc: ValidationError) -> APIError:
+    errors = exc.errors(include_url=False, include_input=False)
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = [part for part in first.get("loc", ()) if part != "body"]
-    if first.get("type") == "json_invalid":
-        return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
+    loc = first.get("loc", ())
     param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
     return APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param)
 
@@ -160,7 +157,7 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
         return respond(exc)
 
-    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def on_validation_error(_: Request, exc: ValidationError) -> JSONResponse:
         return respond(_validation_error(exc))
 
     async def on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
@@ -172,7 +169,6 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         return respond(APIError(500, "internal server error", type="server_error"))
 
     app.add_exception_handler(APIError, on_api_error)
-    app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(ValidationError, on_validation_error)
     app.add_exception_handler(HTTPException, on_http_error)
     app.add_exception_handler(Exception, on_unexpected)
