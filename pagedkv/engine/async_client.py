@@ -191,7 +191,7 @@ class AsyncEngine:
             self._abort(request)  # the add may have happened already; the abort follows it in order
             raise
         except BaseException:
-            self._stop(request, list(request.unfinished))
+            self._stop(request)
             raise
         self.metrics.prompt_tokens.inc(request.prompt_tokens)
         return request
@@ -214,9 +214,9 @@ class AsyncEngine:
                 stream.unfinished.discard(index)
                 self._num_sequences -= stream.n
 
-    def _stop(self, stream: RequestStream, indices: list[int]) -> None:
-        """Stop these prompts of ``stream`` everywhere: the routing table, the worker and the engine thread."""
-        indices = [i for i in sorted(indices) if i in stream.unfinished]
+    def _stop(self, stream: RequestStream) -> None:
+        """Stop the unfinished prompts of ``stream`` everywhere: the routing table, the worker and the engine thread."""
+        indices = sorted(stream.unfinished)
         self._forget(stream, indices)
         if indices:
             self.tokenizer.abort([stream.engine_ids[i] for i in indices])
@@ -227,7 +227,7 @@ class AsyncEngine:
         if stream.finished:
             return
         self.metrics.requests.labels(finish_reason="abort").inc(len(stream.unfinished) * stream.n)
-        self._stop(stream, list(stream.unfinished))
+        self._stop(stream)
         stream.aborted = True
         stream.close()
 
@@ -242,7 +242,7 @@ class AsyncEngine:
             self._observe(stream, index, output, now)
             if output.error is not None:  # the engine stopped it: the API request fails as a whole
                 self._forget(stream, [index])
-                self._stop(stream, list(stream.unfinished))
+                self._stop(stream)
                 stream.close(RequestFailed(output.error))
                 continue
             stream.push(index, output)
