@@ -52,10 +52,7 @@ class RequestStream:
     def finished(self) -> bool:
         return not self.unfinished
 
-    def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         while True:
             if self._pending:
                 index = next(iter(self._pending))
