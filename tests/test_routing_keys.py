@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -86,3 +87,13 @@ def test_the_text_kind_gives_the_salted_prompt(tokenizer):
 def test_unknown_kinds_are_refused(tokenizer):
     with pytest.raises(ValueError, match="kind"):
         RoutingKeys(tokenizer, BLOCK, "tokens")
+
+
+@pytest.mark.parametrize("kind", ["block_keys", "text"])
+def test_messages_the_template_refuses_get_no_key(tokenizer, kind):
+    """The replica answers these with a 400; the ingress must route them by load, not fail with a 500."""
+    refusing = copy.copy(tokenizer)
+    refusing.chat_template = "{{ raise_exception('roles must alternate') }}"
+    router = RoutingKeys(refusing, BLOCK, kind)
+    key = router.of("POST", "/v1/chat/completions", body(messages=[{"role": "user", "content": "w9"}]))
+    assert key.block_keys == () and key.text == "POST /v1/chat/completions"

@@ -7,9 +7,9 @@ request's ``cache_salt`` in the first key -- the very keys the replica's prefix 
 tenants with different salts never share a routing key either. Ray's text-based prefix router gets the
 rendered prompt text instead, with the salt in front.
 
-A body that is not a valid request gets no key: it is routed by load alone, and the replica answers it
-with the usual 400. So does a body over ``MAX_KEYED_BODY_BYTES``: tokenizing it twice (here and on the
-replica) is not worth the routing gain, and the replica bounds it anyway.
+A body that is not a valid request, or whose messages the chat template refuses, gets no key: it is routed
+by load alone, and the replica answers it with the usual 400. So does a body over ``MAX_KEYED_BODY_BYTES``:
+tokenizing it twice (here and on the replica) is not worth the routing gain, and the replica bounds it anyway.
 """
 
 from __future__ import annotations
@@ -64,16 +64,16 @@ class RoutingKeys:
             return fallback
         try:
             prompt, salt = self._prompt(path, json.loads(body))
-        except Exception:  # not a valid request: the replica will say why
+            if prompt is None:
+                return fallback
+            if self.kind == "text":
+                text = self._text(prompt)
+                return RoutingKey(text=f"{salt}\n{text}" if salt else text or fallback.text)
+            keys: list[BlockKey] = []
+            extend_block_keys(keys, prompt.token_ids(self.tokenizer), self.block_size, salt)
+            return RoutingKey(block_keys=tuple(keys), text=fallback.text)
+        except Exception:  # not a valid request, or messages the chat template refuses: the replica says why
             return fallback
-        if prompt is None:
-            return fallback
-        if self.kind == "text":
-            text = self._text(prompt)
-            return RoutingKey(text=f"{salt}\n{text}" if salt else text or fallback.text)
-        keys: list[BlockKey] = []
-        extend_block_keys(keys, prompt.token_ids(self.tokenizer), self.block_size, salt)
-        return RoutingKey(block_keys=tuple(keys), text=fallback.text)
 
     def _prompt(self, path: str, body: Any) -> tuple[EnginePrompt | None, str | None]:
         """The request's (first) prompt as the serving code builds it, and its cache salt."""
