@@ -230,6 +230,7 @@ BAD_BODIES = [
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}}, "response_format"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"guided_regex": "("}, "guided_regex"),
+    ({"response_format": {"type": "text"}, "guided_regex": "("}, "guided_regex"),  # text asks for no grammar
     (
         {"messages": [*ASK, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]},
         "messages[1].tool_calls[0]",

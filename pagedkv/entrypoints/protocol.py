@@ -123,20 +123,23 @@ class _SamplingRequest(BaseModel):
             kwargs["structured_outputs"] = structured
         return kwargs
 
+    def _grammar_fields(self) -> dict[str, Any]:
+        """The structured-output fields this request set, in ``GRAMMAR_FIELDS`` order; ``response_format``
+        ``{"type": "text"}`` (OpenAI's default) asks for no grammar."""
+        extra = self.model_extra or {}
+        given = {name: extra[name] for name in GRAMMAR_FIELDS if extra.get(name) is not None}
+        if given.get("response_format") == {"type": "text"}:
+            del given["response_format"]
+        return given
+
     def grammar_renames(self) -> dict[str, str]:
         """The engine reports grammar errors as ``structured_outputs``: name the field this request used."""
-        extra = self.model_extra or {}
-        used = next((name for name in GRAMMAR_FIELDS if extra.get(name) is not None), "structured_outputs")
-        return {"structured_outputs": used}
+        return {"structured_outputs": next(iter(self._grammar_fields()), "structured_outputs")}
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
         """The grammar asked for by ``response_format`` (OpenAI), ``structured_outputs`` (vLLM) or a
         ``guided_*`` field (vLLM's older names); at most one of them. A 400 names what is wrong."""
-        extra = self.model_extra or {}
-        given = {name: extra[name] for name in GRAMMAR_FIELDS if extra.get(name) is not None}
-        response_format = given.get("response_format")
-        if response_format == {"type": "text"}:
-            del given["response_format"]
+        given = self._grammar_fields()
         if len(given) > 1:
             raise APIError(400, f"ask for one structured output, got {', '.join(given)}", param=next(iter(given)))
         if not given:
