@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.sampling import SAMPLING_EPS, SamplingParams
+from pagedkv.sampling import SamplingParams
 
 _NEG_INF = float("-inf")
 _FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -120,10 +120,7 @@ class Sampler:
         if not len(generators) == len(prompt_token_ids) == len(output_token_ids) == len(params):
             raise ValueError("generators, prompt_token_ids and output_token_ids need one entry per row")
         # The engine calls this every step and plain greedy decoding is the common case: one argmax.
-        if all(
-            p.temperature < SAMPLING_EPS and p.logprobs is None and not p.has_penalties and p.min_tokens <= len(out)
-            for p, out in zip(params, output_token_ids, strict=True)
-        ):
+        if all(p.is_plain_greedy(len(out)) for p, out in zip(params, output_token_ids, strict=True)):
             return SamplerOutput(logits.argmax(dim=-1).tolist())
 
         work = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)

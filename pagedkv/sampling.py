@@ -211,3 +211,8 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         """True when any of presence / frequency / repetition penalty changes the logits."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def is_plain_greedy(self, num_output_tokens: int) -> bool:
+        """True when the next token is the argmax of the raw logits and nothing more is reported for it:
+        greedy, no penalties, no logprobs, and min_tokens reached (below it EOS and stop ids are masked)."""
+        return self.greedy and self.logprobs is None and not self.has_penalties and self.min_tokens <= num_output_tokens

@@ -133,8 +133,13 @@ class Scheduler:
 
     def _drafts(self, request: Request, limit: int) -> list[int]:
         """Drafts for a decoding request: within ``limit``, its max_tokens (the model's own token after the
-        drafts comes too) and the model's context length."""
-        if limit < 1 or not speculative.can_speculate(request):
+        drafts comes too) and the model's context length.
+
+        Drafts are checked by greedy choice, so only plain greedy requests take them: sampling, penalties,
+        logprobs and a pending ``min_tokens`` change what the next token would be or what must be reported
+        for it; those requests decode one token a step.
+        """
+        if limit < 1 or not request.params.is_plain_greedy(request.num_output_tokens):
             return []
         max_tokens = request.params.max_tokens
         if max_tokens is not None:

@@ -16,21 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagedkv.engine.request import Request
-
 MAX_NGRAM = 4  # longest history suffix looked up
 MIN_NGRAM = 2  # a single repeated token ("the", ",") predicts too little to pay for its rows
 MAX_ROWS = 48  # decode rows (last tokens + drafts) per step up to which drafting paid off on 2 AVX2 cores
-
-
-def can_speculate(request: Request) -> bool:
-    """Drafts are checked by greedy choice, so only plain greedy requests take them.
-
-    Sampling, penalties, logprobs and a pending ``min_tokens`` change what the next token would be or what
-    must be reported for it; those requests decode one token a step.
-    """
-    p = request.params
-    return p.greedy and p.logprobs is None and not p.has_penalties and p.min_tokens <= request.num_output_tokens
 
 
 def propose(token_ids: list[int], num_tokens: int) -> list[int]:
