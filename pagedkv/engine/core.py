@@ -159,7 +159,6 @@ class EngineCore:
         stats.update(scheduler.counters)
         stats["num_requests_running"] = len(scheduler.running)
         stats["num_requests_waiting"] = len(scheduler.waiting)
-        stats["num_preemptions"] = scheduler.num_preemptions
         return stats
 
 

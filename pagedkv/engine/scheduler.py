@@ -74,7 +74,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
-        self.num_preemptions = 0
         self.counters = dict.fromkeys(
             (
                 "prompt_tokens_computed",
@@ -83,6 +82,7 @@ class Scheduler:
                 "requests_failed",
                 "draft_tokens",
                 "draft_tokens_accepted",
+                "num_preemptions",
             ),
             0,
         )
@@ -211,7 +211,7 @@ class Scheduler:
         self.kv.free(request.request_id, request.block_keys, request.num_computed_tokens, request.token_ids)
         request.num_computed_tokens = 0
         self.waiting.appendleft(request)
-        self.num_preemptions += 1
+        self.counters["num_preemptions"] += 1
         logger.debug("preempted %s (pool out of blocks)", request.request_id)
 
     # -- after the model ran ----------------------------------------------------------------------------
