@@ -61,9 +61,9 @@ class Scheduler:
         kv: KVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        num_speculative_tokens: int = 0,
-        max_model_len: int | None = None,
-        eos_token_ids: frozenset[int] = frozenset(),
+        num_speculative_tokens: int,
+        max_model_len: int,
+        eos_token_ids: frozenset[int],
     ) -> None:
         self.kv = kv
         self.eos_token_ids = eos_token_ids
@@ -144,8 +144,7 @@ class Scheduler:
         max_tokens = request.params.max_tokens
         if max_tokens is not None:
             limit = min(limit, max_tokens - request.num_output_tokens - 1)
-        if self.max_model_len is not None:
-            limit = min(limit, self.max_model_len - request.num_tokens - 1)
+        limit = min(limit, self.max_model_len - request.num_tokens - 1)
         drafts = speculative.propose(request.token_ids, limit)
         if drafts and request.grammar is not None:  # a draft the grammar refuses could never be accepted
             drafts = drafts[: request.grammar.validate_tokens(drafts)]
@@ -302,10 +301,8 @@ class Scheduler:
         if request.grammar is not None and request.grammar.is_stopped():  # the structure is complete
             self.finish(request, "stop")
             return True
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-            self.finish(request, "length")
-            return True
-        if self.max_model_len is not None and request.num_tokens >= self.max_model_len:
+        at_max_tokens = params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
+        if at_max_tokens or request.num_tokens >= self.max_model_len:
             self.finish(request, "length")
             return True
         return False
