@@ -220,8 +220,8 @@ class Scheduler:
         step: SchedulerOutput,
         sampled: list[tuple[int, int]],
         out: SamplerOutput,
-        failed: set[str] = frozenset(),
-        prompt_logprobs: dict[int, tuple[int, list[PromptLogprob]]] | None = None,
+        failed: set[str],
+        prompt_logprobs: dict[int, tuple[int, list[PromptLogprob]]],
     ) -> list[CoreOutput]:
         """Advance every scheduled request by what the step computed and sampled; one CoreOutput each.
 
@@ -244,8 +244,7 @@ class Scheduler:
                 if request.request_id in failed:
                     raise RuntimeError("sampling failed")
                 core = self._advance(s, rows_of.get(i), out)
-                if prompt_logprobs and i in prompt_logprobs:
-                    core.prompt_logprobs = prompt_logprobs[i]
+                core.prompt_logprobs = prompt_logprobs.get(i)
                 outputs.append(core)
             except Exception:
                 logger.exception("request %s failed; stopping it", request.request_id)
