@@ -144,13 +144,12 @@ class EngineCore:
     def _sample_rows(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """The sampler reads a row's history only for penalties and min_tokens; other rows pass nothing,
         so plain decoding does not copy every request's prompt and output every step."""
-        history = [_history(r) for r in requests]
         return self.sampler(
             logits,
             [r.params for r in requests],
             [r.generator for r in requests],
-            [h[0] for h in history],
-            [h[1] for h in history],
+            [r.prompt_token_ids if r.params.has_penalties else () for r in requests],
+            [r.output_token_ids if r.params.has_penalties or r.params.min_tokens else () for r in requests],
         )
 
     def stats(self) -> dict[str, float]:
@@ -176,13 +175,3 @@ def _apply_grammar_masks(
             full[row : row + n] = mask
         row += n
     structured.apply_masks(logits, full)
-
-
-def _history(request: Request) -> tuple[Sequence[int], Sequence[int]]:
-    """(prompt, output) token ids as far as the sampler needs them for this request's parameters."""
-    params = request.params
-    if params.has_penalties:
-        return request.prompt_token_ids, request.output_token_ids
-    if params.min_tokens:
-        return (), request.output_token_ids
-    return (), ()
