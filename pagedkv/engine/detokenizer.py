@@ -170,9 +170,7 @@ class StopStringMatcher:
         # holds the trie: node k's children are nodes first[k]+1 .. first[k+1], labelled
         # labels[first[k]:first[k+1]]. A dict per node would hold 4x the memory (2 MB instead of 0.5 MB
         # for 32 random stop strings of 256 characters) for the life of the request.
-        new_id = [0] * n
-        for new, old in enumerate(order):
-            new_id[old] = new
+        new_id = {old: new for new, old in enumerate(order)}
         self._labels = "".join(c for old in order for c in children[old])
         self._first = list(itertools.accumulate((len(children[old]) for old in order), initial=0))
         self._starts = frozenset(children[0])
