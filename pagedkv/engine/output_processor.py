@@ -194,9 +194,7 @@ class OutputProcessor:
             return None
         output = _build_output(group)
         if finished:
-            del self.groups[group.group_id]
-            for sample in group.samples:
-                self._samples.pop(sample.request_id, None)
+            self.abort(group.group_id)  # forgets it; no sample is left to stop
         return output
 
 
