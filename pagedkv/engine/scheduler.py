@@ -195,16 +195,13 @@ class Scheduler:
         """Keys of prompt blocks that running requests have yet to compute."""
         if not self.kv.enable_prefix_caching:
             return set()
-        block_size = self.kv.block_size
-        keys: set[BlockKey] = set()
-        for request in self.running:
-            if request.is_prefilling:
-                keys.update(
-                    request.block_keys[
-                        request.num_computed_tokens // block_size : request.num_prompt_tokens // block_size
-                    ]
-                )
-        return keys
+        size = self.kv.block_size
+        return {
+            key
+            for r in self.running
+            if r.is_prefilling
+            for key in r.block_keys[r.num_computed_tokens // size : r.num_prompt_tokens // size]
+        }
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id, request.block_keys, request.num_computed_tokens, request.token_ids)
