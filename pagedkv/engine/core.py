@@ -167,11 +167,6 @@ def _apply_grammar_masks(
     """Mask the logits rows of requests with a grammar; the other rows keep every token."""
     if not masks:
         return
-    full = torch.full((logits.shape[0], structured.bitmask_words(logits.shape[1])), -1, dtype=torch.int32)
-    row = 0
-    for s, n in rows:
-        mask = masks.get(s.request.request_id)
-        if mask is not None:
-            full[row : row + n] = mask
-        row += n
+    allow_all = torch.full((1, structured.bitmask_words(logits.shape[1])), -1, dtype=torch.int32)
+    full = torch.cat([masks.get(s.request.request_id, allow_all.expand(n, -1)) for s, n in rows])
     structured.apply_masks(logits, full)
