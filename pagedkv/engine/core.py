@@ -127,10 +127,9 @@ class EngineCore:
             logger.exception("the batched sampler failed; sampling each request alone")
         out = SamplerOutput(token_ids=[], logprobs=[], top_logprobs=[])
         failed: set[str] = set()
-        row = 0
-        for s, n in rows:
+        for (s, n), request_logits in zip(rows, logits.split([n for _, n in rows]), strict=True):
             try:
-                part = self._sample_rows(logits[row : row + n], requests[row : row + n])
+                part = self._sample_rows(request_logits, [s.request] * n)
             except Exception:
                 logger.exception("sampling failed for request %s", s.request.request_id)
                 failed.add(s.request.request_id)
@@ -138,7 +137,6 @@ class EngineCore:
             out.token_ids += part.token_ids
             out.logprobs += part.logprobs or [0.0] * n
             out.top_logprobs += part.top_logprobs or [None] * n
-            row += n
         return out, failed
 
     def _sample_rows(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
