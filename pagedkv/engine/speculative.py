@@ -9,7 +9,7 @@ Greedy output is unchanged; a step just yields up to ``1 + k`` tokens instead of
 
 On a CPU a decode step of a few requests is bound by reading the weights, not by arithmetic, so the extra
 rows are nearly free there -- but a large batch is already compute bound and drafts would only add work.
-Hence drafts are made only while the step stays small (``max_rows``), shortest first when it is not.
+Hence drafts are made only while the step stays small (``MAX_ROWS``), shortest first when it is not.
 """
 
 from __future__ import annotations
