@@ -92,10 +92,3 @@ class KVAuthRequired(APIError):
 
     def headers(self) -> dict[str, str]:
         return {**super().headers(), "WWW-Authenticate": 'Basic realm="pagedkv", charset="UTF-8"'}
-
-
-def with_browser_challenge(path: str, error: APIError) -> APIError:
-    """``error`` as is, or, on a KV route, the same 401 with a Basic-auth challenge for browsers."""
-    if path not in KV_PATHS:
-        return error
-    return KVAuthRequired(error.status, error.message, error.type, error.param, error.code)

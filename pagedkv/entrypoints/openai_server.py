@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedkv.engine.async_client import AsyncEngine
 from pagedkv.engine.metrics import ServerMetrics
-from pagedkv.entrypoints.kv_page import add_kv_routes, basic_auth_matches, with_browser_challenge
+from pagedkv.entrypoints.kv_page import KV_PATHS, KVAuthRequired, add_kv_routes, basic_auth_matches
 from pagedkv.entrypoints.limits import ServerLimits
 from pagedkv.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from pagedkv.entrypoints.responses import ModelCard, ModelList
@@ -108,10 +108,10 @@ class RequestGate:
             given = headers.get("authorization", "").encode()
             path = scope["path"]
             if not hmac.compare_digest(given, self.expected) and not basic_auth_matches(path, given, self.api_key):
-                error = APIError(
+                refusal = KVAuthRequired if path in KV_PATHS else APIError  # the KV page asks a browser for the key
+                error = refusal(
                     401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
                 )
-                error = with_browser_challenge(path, error)  # the KV page asks a browser for the key
         length = headers.get("content-length", "")
         if error is None and length.isdigit() and int(length) > self.max_body_bytes:
             error = self._too_large()
