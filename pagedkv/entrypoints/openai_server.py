@@ -149,26 +149,23 @@ def _validation_error(exc: ValidationError) -> APIError:
 
 
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
-    def respond(error: APIError) -> JSONResponse:
+    async def respond(_: Request, error: APIError) -> JSONResponse:
         if error.status != 499:  # the client left: nothing was refused
             metrics.rejected.labels(status=str(error.status)).inc()
         return error_response(error)
 
-    async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
-        return respond(exc)
+    async def on_validation_error(request: Request, exc: ValidationError) -> JSONResponse:
+        return await respond(request, _validation_error(exc))
 
-    async def on_validation_error(_: Request, exc: ValidationError) -> JSONResponse:
-        return respond(_validation_error(exc))
-
-    async def on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
         code = "request_too_large" if exc.status_code == 413 else None
-        return respond(APIError(exc.status_code, str(exc.detail), code=code))
+        return await respond(request, APIError(exc.status_code, str(exc.detail), code=code))
 
-    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error", exc_info=exc)
-        return respond(APIError(500, "internal server error", type="server_error"))
+        return await respond(request, APIError(500, "internal server error", type="server_error"))
 
-    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(APIError, respond)
     app.add_exception_handler(ValidationError, on_validation_error)
     app.add_exception_handler(HTTPException, on_http_error)
     app.add_exception_handler(Exception, on_unexpected)
