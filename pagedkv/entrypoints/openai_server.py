@@ -140,14 +140,6 @@ class RequestGate:
         return limited
 
 
-def _validation_error(exc: ValidationError) -> APIError:
-    errors = exc.errors(include_url=False, include_input=False)
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = first.get("loc", ())
-    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
-    return APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param)
-
-
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     async def respond(_: Request, error: APIError) -> JSONResponse:
         if error.status != 499:  # the client left: nothing was refused
@@ -155,7 +147,12 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         return error_response(error)
 
     async def on_validation_error(request: Request, exc: ValidationError) -> JSONResponse:
-        return await respond(request, _validation_error(exc))
+        errors = exc.errors(include_url=False, include_input=False)
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        loc = first.get("loc", ())
+        param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
+        error = APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param)
+        return await respond(request, error)
 
     async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
         code = "request_too_large" if exc.status_code == 413 else None
