@@ -13,6 +13,7 @@ from pathlib import Path
 from pagedkv.config import EngineConfig
 from pagedkv.entrypoints.limits import ServerLimits
 from pagedkv.entrypoints.replica_options import add_replica_arguments, replicas_requested
+from pagedkv.sampling import SamplingParams
 
 BENCHMARKS = ("gather", "attention", "panel_linear", "throughput", "serving")
 
@@ -60,9 +61,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=None)
 
 
-def sampling_params(args: argparse.Namespace):
-    from pagedkv.sampling import SamplingParams
-
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
