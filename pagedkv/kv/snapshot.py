@@ -1,6 +1,6 @@
 """The KV map's data: every block's state, the hottest cached prefixes and the counters over time.
 
-Two halves, because the engine's thread must not wait on formatting: ``take_snapshot`` copies the pool's
+Two halves, because the engine's thread must not wait on formatting: ``read_engine`` copies the pool's
 plain lists on the thread that owns the engine (O(blocks), no hashing, no allocation per block beyond the
 copies), and ``snapshot_json`` turns the copy into the JSON of ``GET /kv.json`` anywhere else.
 
@@ -17,13 +17,9 @@ import hashlib
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from pagedkv.kv.hashing import BlockKey
 from pagedkv.kv.prefix_tree import build_prefix_tree
-
-if TYPE_CHECKING:
-    from pagedkv.kv.manager import KVCacheManager
 
 HELD, SHARED, CACHED, EMPTY = "held", "shared", "cached", "empty"
 STATES = (HELD, SHARED, CACHED, EMPTY)
@@ -57,8 +53,10 @@ class KVSnapshot:
     history: list[dict[str, float]]
 
 
-def take_snapshot(kv: KVCacheManager, counters: dict[str, float], history: list[dict[str, float]]) -> KVSnapshot:
-    """Copy what the map needs; call it on the thread that owns ``kv`` (the engine's)."""
+def read_engine(core) -> KVSnapshot:
+    """Copy what the map needs from an EngineCore: ``core.scheduler.kv``, its stats, and its counter history
+    with the present as the last sample. Call it on the thread that owns the engine."""
+    kv, stats = core.scheduler.kv, core.stats()
     pool = kv.pool
     n = pool.num_blocks
     return KVSnapshot(
@@ -71,8 +69,8 @@ def take_snapshot(kv: KVCacheManager, counters: dict[str, float], history: list[
         hits=pool.hits(),
         free_order=pool.free_order(),
         tables=kv.block_tables(),
-        counters=dict(counters),
-        history=list(history),
+        counters=stats,
+        history=core.history.samples(current=stats),
     )
 
 
@@ -129,10 +127,3 @@ def snapshot_json(snap: KVSnapshot) -> dict:
         "palette": PALETTE,
         "blocks": blocks,
     }
-
-
-def read_engine(core) -> KVSnapshot:
-    """The snapshot of an EngineCore: ``core.scheduler.kv``, its stats, and its counter history with the
-    present as the last sample."""
-    stats = core.stats()
-    return take_snapshot(core.scheduler.kv, stats, core.history.samples(current=stats))
