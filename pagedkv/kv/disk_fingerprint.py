@@ -39,34 +39,32 @@ def model_files(source: Path) -> list[Path]:
     return [source / "config.json", *sorted(source.glob("*.safetensors"))]
 
 
-def file_digest(path: Path, memo_dir: Path | None) -> str:
+def file_digest(path: Path, memo_dir: Path) -> str:
     """sha256 of ``path``'s content, remembered in ``memo_dir`` under its path, size, mtime and inode."""
     info = path.stat()
     identity = f"{path.resolve()}\0{info.st_size}\0{info.st_mtime_ns}\0{info.st_ino}".encode()
-    memo = memo_dir / hashlib.sha256(identity).hexdigest() if memo_dir is not None else None
-    if memo is not None:
-        with contextlib.suppress(OSError):
-            remembered = memo.read_text().strip()
-            if len(remembered) == 64:
-                return remembered
+    memo = memo_dir / hashlib.sha256(identity).hexdigest()
+    with contextlib.suppress(OSError):
+        remembered = memo.read_text().strip()
+        if len(remembered) == 64:
+            return remembered
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
     hexdigest = digest.hexdigest()
-    if memo is not None:
-        with contextlib.suppress(OSError):  # only a lost memo: the next start reads the file again
-            memo_dir.mkdir(mode=0o700, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=memo_dir, prefix=".tmp-")
-            with os.fdopen(fd, "w") as f:
-                f.write(hexdigest)
-            os.replace(tmp, memo)
+    with contextlib.suppress(OSError):  # only a lost memo: the next start reads the file again
+        memo_dir.mkdir(mode=0o700, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=memo_dir, prefix=".tmp-")
+        with os.fdopen(fd, "w") as f:
+            f.write(hexdigest)
+        os.replace(tmp, memo)
     return hexdigest
 
 
 def engine_fingerprint(
     model_source: str | Path,
-    memo_dir: Path | None,
+    memo_dir: Path,
     *,
     weight_format: str,
     kernels: bool,
