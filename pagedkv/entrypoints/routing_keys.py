@@ -28,6 +28,7 @@ from pagedkv.kv.hashing import BlockKey, extend_block_keys
 MAX_KEYED_BODY_BYTES = 256 * 1024
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+KEYED_PATHS = (CHAT_PATH, COMPLETIONS_PATH)
 KINDS = ("block_keys", "text", "none")
 
 
@@ -60,12 +61,10 @@ class RoutingKeys:
 
     def of(self, method: str, path: str, body: bytes) -> RoutingKey:
         fallback = RoutingKey(text=f"{method} {path}")
-        if self.kind == "none" or method != "POST" or len(body) > MAX_KEYED_BODY_BYTES:
+        if self.kind == "none" or method != "POST" or path not in KEYED_PATHS or len(body) > MAX_KEYED_BODY_BYTES:
             return fallback
         try:
             prompt, salt = self._prompt(path, json.loads(body))
-            if prompt is None:
-                return fallback
             if self.kind == "text":
                 text = self._text(prompt)
                 return RoutingKey(text=f"{salt}\n{text}" if salt else text or fallback.text)
@@ -75,16 +74,14 @@ class RoutingKeys:
         except Exception:  # not a valid request, or messages the chat template refuses: the replica says why
             return fallback
 
-    def _prompt(self, path: str, body: Any) -> tuple[EnginePrompt | None, str | None]:
+    def _prompt(self, path: str, body: Any) -> tuple[EnginePrompt, str | None]:
         """The request's (first) prompt as the serving code builds it, and its cache salt."""
         if path == COMPLETIONS_PATH:
             request = CompletionRequest.model_validate(body)
             return completion_prompts(request.prompt)[0], request.cache_salt
-        if path == CHAT_PATH:
-            chat = ChatCompletionRequest.model_validate(body)
-            tools = plan_tools(chat.tools, chat.tool_choice, chat.parallel_tool_calls, self.native_tools)
-            return chat_prompt(chat.messages, tools, self.native_tools), chat.cache_salt
-        return None, None
+        chat = ChatCompletionRequest.model_validate(body)
+        tools = plan_tools(chat.tools, chat.tool_choice, chat.parallel_tool_calls, self.native_tools)
+        return chat_prompt(chat.messages, tools, self.native_tools), chat.cache_salt
 
     def _text(self, prompt: EnginePrompt) -> str:
         if prompt.prompt_token_ids is not None:
