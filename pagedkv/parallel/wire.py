@@ -21,7 +21,19 @@ _SCORED_FIELDS = 5  # index, first_row, first_position, count, top
 
 
 def send_step(tp: TensorParallel, inputs: StepInputs) -> None:
-    lists = _lists(inputs)
+    scored = [v for r in inputs.scored for v in (r.index, r.first_row, r.first_position, len(r.targets), r.top)]
+    lists = [
+        inputs.input_ids,
+        inputs.positions,
+        inputs.query_lens,
+        inputs.seq_lens,
+        [len(t) for t in inputs.block_tables],
+        [b for t in inputs.block_tables for b in t],
+        inputs.sampled_rows,
+        inputs.shared_rows,
+        scored,
+        [t for r in inputs.scored for t in r.targets],
+    ]
     header = torch.zeros(_HEADER, dtype=torch.int64)
     header[0] = STEP
     header[1 : 1 + len(lists)] = torch.tensor([len(x) for x in lists])
@@ -51,19 +63,3 @@ def receive_step(tp: TensorParallel) -> StepInputs | None:
         ranges.append(ScoredRange(index, first_row, first_position, top, targets[start : start + count]))
         start += count
     return StepInputs(ids, positions, block_tables, query_lens, seq_lens, sampled, shared, ranges)
-
-
-def _lists(inputs: StepInputs) -> list[list[int]]:
-    scored = [v for r in inputs.scored for v in (r.index, r.first_row, r.first_position, len(r.targets), r.top)]
-    return [
-        inputs.input_ids,
-        inputs.positions,
-        inputs.query_lens,
-        inputs.seq_lens,
-        [len(t) for t in inputs.block_tables],
-        [b for t in inputs.block_tables for b in t],
-        inputs.sampled_rows,
-        inputs.shared_rows,
-        scored,
-        [t for r in inputs.scored for t in r.targets],
-    ]
