@@ -90,13 +90,13 @@ def build_replica_app(args: argparse.Namespace, engine_kwargs: dict, replica_cpu
     )
 
 
-def _import_ray() -> Any:
+def _import_ray() -> tuple[Any, Any]:
     try:
         import ray
-        from ray import serve  # noqa: F401
+        from ray import serve
     except ImportError as exc:
         raise SystemExit(f"pagedkv serve --replicas needs Ray Serve: pip install 'pagedkv[ray]' ({exc})") from exc
-    return ray
+    return ray, serve
 
 
 class _Stop(BaseException):
@@ -117,8 +117,7 @@ def serve_replicas(args: argparse.Namespace, engine_kwargs: dict) -> int:
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     if args.ray_address is None:
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # single-machine mode: node address 127.0.0.1
-    ray = _import_ray()
-    from ray import serve
+    ray, serve = _import_ray()
 
     model_directory(engine_kwargs["model"])  # a GGUF is converted here once, not by N replicas at a time
     ray.init(address=args.ray_address or "local", include_dashboard=False, namespace=APP_NAME)
