@@ -108,8 +108,7 @@ def save_kv_map(data: dict, path: str | os.PathLike) -> Path:
 
 
 def _rgb(value: str) -> np.ndarray:
-    value = value.lstrip("#")
-    return np.array([int(value[i : i + 2], 16) for i in (0, 2, 4)], dtype=np.float64)
+    return np.array(list(bytes.fromhex(value.lstrip("#"))), dtype=np.float64)
 
 
 def _legend(fig: Figure, data: dict, counts: dict, y_from_top: float) -> None:
