@@ -63,6 +63,17 @@ def test_conversion_is_cached_and_reused(fake_gguf, tmp_path):
     assert third != first and len(calls) == 2
 
 
+def test_model_directory_takes_a_str_a_path_or_none_for_the_default(fake_gguf, monkeypatch):
+    """The engine, its tensor-parallel workers and the Ray app all resolve a --model value through it."""
+    gguf, calls = fake_gguf
+    converted = loader.converted_gguf_directory(gguf)
+    monkeypatch.setattr(loader, "default_model_path", lambda: str(gguf))
+    assert loader.model_directory(str(gguf)) == loader.model_directory(gguf) == converted
+    assert loader.model_directory(None) == converted and len(calls) == 1
+    with pytest.raises(FileNotFoundError, match="no_such.gguf"):  # before Ray starts, for serve --replicas
+        loader.model_directory(str(gguf.parent / "no_such.gguf"))
+
+
 def test_failed_conversion_leaves_no_cache(fake_gguf, monkeypatch):
     gguf, _ = fake_gguf
 

@@ -35,7 +35,7 @@ from pagedkv.kv.disk_tier import DiskTier
 from pagedkv.kv.events import KVEventBatch, KVEventPublisher, KVEventRecorder
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.ops import KV_DTYPES
-from pagedkv.model.loader import default_model_path, load_model, model_directory
+from pagedkv.model.loader import load_model, model_directory
 from pagedkv.parallel import workers
 from pagedkv.parallel.group import SINGLE
 from pagedkv.sampler import Sampler, make_generator
@@ -54,7 +54,7 @@ class LLMEngine:
         self.workers: workers.Workers | None = None  # the other tensor-parallel ranks
         tp = SINGLE
         if config.tensor_parallel_size > 1:
-            directory = model_directory(Path(config.model or default_model_path()).expanduser())
+            directory = model_directory(config.model)
             self.workers = workers.start(config, str(directory))
             weakref.finalize(self, self.workers.close)
             tp = self.workers.tp

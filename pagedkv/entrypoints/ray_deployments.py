@@ -35,7 +35,7 @@ from pagedkv.entrypoints.forwarding import ForwardedRequest, run_asgi
 from pagedkv.entrypoints.limits import ServerLimits
 from pagedkv.entrypoints.openai_server import DEFAULT_MAX_BODY_BYTES, RequestGate, build_app, error_response
 from pagedkv.entrypoints.protocol import APIError
-from pagedkv.entrypoints.routing_keys import RoutingKeys, model_directory
+from pagedkv.entrypoints.routing_keys import RoutingKeys
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +156,8 @@ class Ingress:
         tokenizer = None
         if routing_kind != "none":
             from transformers import AutoTokenizer
+
+            from pagedkv.model.loader import model_directory
 
             tokenizer = AutoTokenizer.from_pretrained(model_directory(model))
         self._keys = RoutingKeys(tokenizer, block_size, routing_kind)

@@ -29,7 +29,6 @@ from typing import Any
 from pagedkv.entrypoints.limits import ServerLimits
 from pagedkv.entrypoints.openai_server import is_loopback
 from pagedkv.entrypoints.replica_options import ROUTERS
-from pagedkv.entrypoints.routing_keys import model_directory
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +109,7 @@ def _stop(*_: object) -> None:
 def serve_replicas(args: argparse.Namespace, engine_kwargs: dict) -> int:
     """Start (or join) a Ray cluster, deploy the app, serve until SIGINT / SIGTERM; the exit code."""
     from pagedkv.config import EngineConfig
+    from pagedkv.model.loader import model_directory
 
     EngineConfig(**engine_kwargs)  # a bad option fails here, not N times in the replicas
     if (engine_kwargs.get("tensor_parallel_size") or 1) > 1:

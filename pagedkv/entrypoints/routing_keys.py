@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pagedkv.engine.prompts import EnginePrompt
@@ -38,14 +37,6 @@ class RoutingKey:
 
     block_keys: tuple[BlockKey, ...] = ()
     text: str = ""
-
-
-def model_directory(model: str | None) -> Path:
-    """The HF directory the engine loads ``model`` from (a GGUF file is converted once per machine)."""
-    from pagedkv.model.loader import converted_gguf_directory, default_model_path
-
-    source = Path(model or default_model_path()).expanduser()
-    return converted_gguf_directory(source) if source.suffix == ".gguf" else source
 
 
 class RoutingKeys:

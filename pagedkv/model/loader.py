@@ -114,8 +114,10 @@ def load_model(
     )
 
 
-def model_directory(source: Path) -> Path:
-    """The HF directory to load ``source`` from: itself, or a GGUF file's converted copy (made once)."""
+def model_directory(path: str | os.PathLike | None) -> Path:
+    """The HF directory to load ``path`` (None: the default model) from: itself, or a GGUF file's converted
+    copy (made once)."""
+    source = Path(path or default_model_path()).expanduser()
     if source.is_file() and source.suffix == ".gguf":
         return converted_gguf_directory(source)
     if source.is_dir() and (source / "config.json").is_file():
