@@ -76,16 +76,15 @@ class ModelRunner:
         before it, and computes the same bits as a plain decode at its position would.
         """
         inputs, sampled = self.prepare(step)
-        if self.workers is not None:
-            self.workers.check()
-        try:
-            if self.workers is not None:
-                wire.send_step(self.tp, inputs)
+        if self.workers is None:
             logits, prompt_logprobs = self.run(inputs)
-        except RuntimeError as exc:
-            if self.workers is None:
-                raise
-            raise self.workers.failure(exc) from exc  # a rank died, or hangs past the step timeout
+        else:
+            self.workers.check()
+            try:
+                wire.send_step(self.tp, inputs)
+                logits, prompt_logprobs = self.run(inputs)
+            except RuntimeError as exc:
+                raise self.workers.failure(exc) from exc  # a rank died, or hangs past the step timeout
         return StepResult(logits, sampled, prompt_logprobs)
 
     def prepare(self, step: SchedulerOutput) -> tuple[StepInputs, list[tuple[int, int]]]:
