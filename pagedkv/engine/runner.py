@@ -135,10 +135,8 @@ class ModelRunner:
         )
         logits = self.model.compute_logits(hidden[: len(inputs.sampled_rows)])
         prompt_logprobs: dict[int, tuple[int, list[PromptLogprob]]] = {}
-        row = len(inputs.sampled_rows)
-        for scored in inputs.scored:
-            rows = hidden[row : row + len(scored.targets)]
-            row += len(scored.targets)
+        scored_rows = hidden[len(inputs.sampled_rows) :].split([len(r.targets) for r in inputs.scored])
+        for scored, rows in zip(inputs.scored, scored_rows, strict=True):
             if self.tp.is_driver:
                 entries = score_rows(self.model.compute_logits, rows, scored.targets, scored.top)
                 prompt_logprobs[scored.index] = (scored.first_position, entries)
