@@ -130,12 +130,10 @@ class KVCacheManager:
 
     def num_blocks_needed(self, request_id: str, num_tokens: int, prefix: PrefixHit | None = None) -> int:
         """Blocks `allocate` would take out of the free pool: new ones plus free cached ones it revives."""
-        have = len(self._tables.get(request_id, ()))
-        new = max(0, -(-num_tokens // self.block_size) - have - (len(prefix.block_ids) if prefix else 0))
-        if prefix is None:
-            return new
-        ref_count = self.pool.ref_count
-        return new + sum(1 for block_id in prefix.block_ids if ref_count(block_id) == 0)
+        prefix_ids = prefix.block_ids if prefix is not None else []
+        have = len(self._tables.get(request_id, ())) + len(prefix_ids)
+        revived = sum(1 for block_id in prefix_ids if self.pool.ref_count(block_id) == 0)
+        return max(0, -(-num_tokens // self.block_size) - have) + revived
 
     def allocate(
         self,
