@@ -154,9 +154,8 @@ class KVCacheManager:
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         self._cache_computed(request_id, block_keys, num_computed_tokens, token_ids)
-        is_new = request_id not in self._tables
         if prefix is not None:
-            self._check_prefix(request_id, is_new, num_tokens, prefix)
+            self._check_prefix(request_id, num_tokens, prefix)
         if self.num_blocks_needed(request_id, num_tokens, prefix) > self.pool.num_free_blocks:
             return False
         table = self._tables.setdefault(request_id, [])
@@ -175,8 +174,8 @@ class KVCacheManager:
             table.extend(self.pool.take_new(num_new))
         return True
 
-    def _check_prefix(self, request_id: str, is_new: bool, num_tokens: int, prefix: PrefixHit) -> None:
-        if not is_new:
+    def _check_prefix(self, request_id: str, num_tokens: int, prefix: PrefixHit) -> None:
+        if request_id in self._tables:
             raise ValueError(f"request {request_id!r} already has blocks; pass a prefix only on its first allocate()")
         if num_tokens < prefix.num_tokens:
             raise ValueError(f"allocate({num_tokens} tokens) must cover the {prefix.num_tokens} cached prefix tokens")
