@@ -16,7 +16,7 @@ report.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import takewhile
 from typing import TYPE_CHECKING
 
@@ -40,7 +40,7 @@ class PrefixHit:
     block_ids: list[int]
     num_tokens: int
     num_queried_tokens: int
-    block_keys: list[BlockKey] = field(default_factory=list)
+    block_keys: list[BlockKey]
 
 
 class KVCacheManager:
@@ -122,7 +122,7 @@ class KVCacheManager:
         prompt of exactly k full blocks can reuse at most k - 1 of them.
         """
         if not self.enable_prefix_caching:
-            return PrefixHit([], 0, 0)
+            return PrefixHit([], 0, 0, [])
         found = map(self.pool.lookup, block_keys[: max(num_prompt_tokens - 1, 0) // self.block_size])
         block_ids = list(takewhile(lambda block_id: block_id is not None, found))
         keys = list(block_keys[: len(block_ids)])
@@ -179,9 +179,7 @@ class KVCacheManager:
             raise ValueError(f"request {request_id!r} already has blocks; pass a prefix only on its first allocate()")
         if num_tokens < prefix.num_tokens:
             raise ValueError(f"allocate({num_tokens} tokens) must cover the {prefix.num_tokens} cached prefix tokens")
-        if prefix.block_keys and any(
-            self.pool.key_of(b) != k for b, k in zip(prefix.block_ids, prefix.block_keys, strict=True)
-        ):
+        if [self.pool.key_of(b) for b in prefix.block_ids] != prefix.block_keys:
             raise ValueError("stale PrefixHit: call find_cached_prefix() again right before allocate()")
 
     def cache_full_blocks(
