@@ -58,12 +58,6 @@ def _index_array(indices: Sequence[int] | Tensor) -> np.ndarray:
     return array.astype(np.int64, copy=False)
 
 
-def _as_index_tensor(indices: Sequence[int] | Tensor) -> Tensor:
-    if isinstance(indices, Tensor) and indices.dtype == torch.int64 and indices.dim() == 1:
-        return indices
-    return torch.from_numpy(_index_array(indices))
-
-
 def _check_blocks(blocks: Sequence[int] | Tensor, num_blocks: int) -> None:
     """Raise if a block id is outside the pool; called on error paths only, to name the bad range."""
     array = _index_array(blocks)
@@ -193,7 +187,9 @@ def gather_kv(
     """
     _check_pool(pool, block_size)
     _check_seq_len(seq_len, len(block_table), block_size)
-    blocks = _as_index_tensor(block_table[: -(-seq_len // block_size)])
+    blocks = block_table[: -(-seq_len // block_size)]
+    if not (isinstance(blocks, Tensor) and blocks.dtype == torch.int64 and blocks.dim() == 1):
+        blocks = torch.from_numpy(_index_array(blocks))  # a 1-D int64 tensor is used as it is
     heads, head_dim = pool.shape[2], pool.shape[3]
     try:
         if out is None:
