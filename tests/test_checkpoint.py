@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import struct
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -43,17 +46,47 @@ def test_reads_every_tensor_as_the_safetensors_library_does(tmp_path):
 def test_a_truncated_file_is_refused_naming_the_tensor(tmp_path):
     path = tmp_path / "t.safetensors"
     save_file({"first": torch.zeros(4), "last": torch.ones(1000)}, path)
-    path.write_bytes(path.read_bytes()[:-100])
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-100])
+    with pytest.raises(ValueError, match="'last': the file is truncated"):
+        Checkpoint([path])  # refused from the header, before anything is read or allocated
+    path.write_bytes(whole)
     checkpoint = Checkpoint([path])
-    with pytest.raises(ValueError, match="truncated"):
+    path.write_bytes(whole[:-100])  # cut after the header was read
+    with pytest.raises(ValueError, match="'last': the file is truncated"):
         checkpoint["last"]
+
+
+def _with_header(path, header: dict, data: bytes = bytes(64)) -> None:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [-8, 0]}}, "bad shape"),
+        ({"t": {"dtype": "F32", "shape": [-1, -2], "data_offsets": [0, 8]}}, "bad shape"),
+        ({"t": {"dtype": "U8", "shape": [2**40], "data_offsets": [0, 2**40]}}, "truncated"),
+        ({"t": {"dtype": "F32", "shape": [2]}}, "lacks a dtype"),
+        ({"t": "F32"}, "lacks a dtype"),
+        ({"t": {"dtype": "F32", "shape": [2.0], "data_offsets": [0, 8]}}, "bad shape"),
+        (["F32"], "not a JSON object"),
+    ],
+)
+def test_a_hostile_header_is_refused_naming_the_file(tmp_path, header, message):
+    path = tmp_path / "h.safetensors"
+    _with_header(path, header)
+    with pytest.raises(ValueError, match=f"h.safetensors.*{message}"):
+        Checkpoint([path])
 
 
 def test_a_file_that_is_not_safetensors_is_refused(tmp_path):
     path = tmp_path / "x.safetensors"
-    path.write_bytes(b"\xff" * 64)
-    with pytest.raises(ValueError, match="not a safetensors file"):
-        Checkpoint([path])
+    for content in (b"\xff" * 64, b"\x04", b"\x04" + bytes(7) + b"\xff\xfe{}", b"\x02" + bytes(7) + b"{"):
+        path.write_bytes(content)
+        with pytest.raises(ValueError, match="not a safetensors file"):
+            Checkpoint([path])
 
 
 def _rss_file_mb() -> float:

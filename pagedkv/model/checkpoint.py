@@ -67,22 +67,39 @@ class Checkpoint(Mapping):
 
 
 def _read_header(file: Path) -> dict[str, tuple[int, int, torch.dtype, list[int]]]:
-    """``name -> (first byte, end byte, dtype, shape)`` of every tensor in ``file``, offsets from its start."""
+    """``name -> (first byte, end byte, dtype, shape)`` of every tensor in ``file``, offsets from its start.
+
+    Every entry is checked against the file's size here, before anything is allocated for it: a header
+    claiming a terabyte, negative offsets or a negative dimension is refused, naming the file and tensor."""
+    size = file.stat().st_size
     with open(file, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        if length > _MAX_HEADER_BYTES:
-            raise ValueError(f"{str(file)!r} is not a safetensors file (header of {length} bytes)")
-        header = json.loads(f.read(length))
+        prefix = f.read(8)
+        length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else 0
+        if not 0 < length <= min(_MAX_HEADER_BYTES, size - 8):
+            raise ValueError(f"{str(file)!r} is not a safetensors file (no header of a valid length)")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as exc:  # not JSON, or not UTF-8
+            raise ValueError(f"{str(file)!r} is not a safetensors file (its header is not JSON)") from exc
+    if not isinstance(header, dict):
+        raise ValueError(f"{str(file)!r} is not a safetensors file (its header is not a JSON object)")
     base = 8 + length
     entries = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in SAFETENSORS_DTYPES:
-            raise ValueError(f"{str(file)!r}: tensor {name!r} has dtype {info['dtype']}, which pagedkv does not read")
-        dtype = SAFETENSORS_DTYPES[info["dtype"]]
-        begin, end = info["data_offsets"]
-        if end - begin != math.prod(info["shape"]) * dtype.itemsize:
-            raise ValueError(f"{str(file)!r}: tensor {name!r} has {end - begin} bytes for shape {info['shape']}")
-        entries[name] = (base + begin, base + end, dtype, list(info["shape"]))
+        try:
+            dtype_name, shape, (begin, end) = info["dtype"], list(info["shape"]), info["data_offsets"]
+        except (TypeError, KeyError, ValueError) as exc:
+            raise ValueError(f"{str(file)!r}: tensor {name!r} lacks a dtype, shape or pair of data_offsets") from exc
+        if dtype_name not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{str(file)!r}: tensor {name!r} has dtype {dtype_name}, which pagedkv does not read")
+        dtype = SAFETENSORS_DTYPES[dtype_name]
+        if not all(type(n) is int and n >= 0 for n in [*shape, begin, end]) or begin > end:
+            raise ValueError(f"{str(file)!r}: tensor {name!r} has a bad shape {shape} or data_offsets {[begin, end]}")
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"{str(file)!r}: tensor {name!r} has {end - begin} bytes for shape {shape}")
+        if base + end > size:
+            raise ValueError(f"{str(file)!r} ends inside tensor {name!r}: the file is truncated")
+        entries[name] = (base + begin, base + end, dtype, shape)
     return entries
