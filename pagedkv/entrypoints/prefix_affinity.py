@@ -102,7 +102,9 @@ class PrefixAffinity:
             self._drop_owner(key, replica)
 
     def _drop_owner(self, key: BlockKey, replica: ReplicaKey) -> None:
-        owners = self._owners[key]
+        owners = self._owners.get(key)  # always there while the records agree; the router must not fail if not
+        if owners is None:
+            return
         owners.discard(replica)
         if not owners:
             del self._owners[key]

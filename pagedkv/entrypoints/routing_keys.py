@@ -15,6 +15,7 @@ tokenizing it twice (here and on the replica) is not worth the routing gain, and
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,8 @@ from pagedkv.entrypoints.protocol import ChatCompletionRequest, CompletionReques
 from pagedkv.entrypoints.serving_completions import completion_prompts
 from pagedkv.entrypoints.tool_calls import chat_prompt, plan_tools, template_supports_tools
 from pagedkv.kv.hashing import BlockKey, extend_block_keys
+
+logger = logging.getLogger(__name__)
 
 MAX_KEYED_BODY_BYTES = 256 * 1024
 CHAT_PATH = "/v1/chat/completions"
@@ -63,6 +66,7 @@ class RoutingKeys:
             extend_block_keys(keys, prompt.token_ids(self.tokenizer), self.block_size, salt)
             return RoutingKey(block_keys=tuple(keys), text=fallback.text)
         except Exception:  # not a valid request, or messages the chat template refuses: the replica says why
+            logger.debug("no routing key for %s %s", method, path, exc_info=True)
             return fallback
 
     def _prompt(self, path: str, body: Any) -> tuple[EnginePrompt, str | None]:

@@ -15,7 +15,8 @@ from functools import partial
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pagedkv.engine.async_client import EnginePrompt, RequestStream
+from pagedkv.engine.async_client import RequestStream
+from pagedkv.engine.prompts import EnginePrompt
 from pagedkv.engine.request import CompletionOutput, RequestOutput
 from pagedkv.entrypoints.prompt_scores import echo_choice, echoed_prompt, vllm_prompt_logprobs
 from pagedkv.entrypoints.protocol import APIError, CompletionRequest
