@@ -1,33 +1,46 @@
 """The compiled decoder stack (``csrc/decoder_stack.cpp``) against the model's own modules, which it replaces in
 a step: the same hidden states and the same KV pool, bit for bit, on mixed steps (prefill chunks, decodes,
-drafts), with fp32 panels and with exact Q4_1 codes; and the configurations it does not cover run the modules."""
+drafts), with fp32 panels, quantised ones, fused layers whose parts are in different formats (a Q4_K_M file's),
+biases on every linear, and Qwen3's q/k norm; and the configurations it does not cover run the modules."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import LlamaConfig, Qwen3Config
 
 from pagedkv import kernels
 from pagedkv.attention.paged import KernelAttention, TorchAttention
+from pagedkv.model import panel
 from pagedkv.model.decoder_stack import DecoderStack, stack_for
+from pagedkv.model.layers import Linear
 from pagedkv.model.llama import LlamaForCausalLM
-from tests.test_panel import q4_1_weight
 
 pytestmark = pytest.mark.skipif(
     not (kernels.portable.available() and kernels.gemm.available()), reason="the compiled ops could not be built here"
 )
 
 BLOCK = 4
+HEAD_DIM = 64  # the attention kernel's specialised size
 CONFIG = dict(
     vocab_size=96,
-    hidden_size=256,  # 4 heads of 64, the attention kernel's specialised size; K a multiple of the Q4_1 group
+    hidden_size=256,  # 4 heads of 64; K a multiple of every quantised format's group
     intermediate_size=384,
     num_hidden_layers=3,
     num_attention_heads=4,
     num_key_value_heads=2,
     max_position_embeddings=128,
 )
+Q_ROWS = CONFIG["num_attention_heads"] * HEAD_DIM
+# The models the stack runs: how each layer's linears are packed, and the config. "mixed" is what a Q4_K_M
+# file gives: q (and k) rows Q4_K, the rest Q6_K; here q4 | q8g16 in q|k|v, gate and up apart too.
+KINDS = {
+    "fp32": (None, LlamaConfig(**CONFIG)),
+    "q4": ("q4", LlamaConfig(**CONFIG)),
+    "mixed": ("mixed", LlamaConfig(**CONFIG)),
+    "mixed-biases": ("mixed", LlamaConfig(**CONFIG, attention_bias=True, mlp_bias=True)),  # q/k/v/o, gate|up, down
+    "qwen3-mixed": ("mixed", Qwen3Config(**CONFIG, head_dim=HEAD_DIM)),  # the q/k norm
+}
 # Two steps of three requests (block tables, new tokens, context after the step): whole prompts first, then
 # a decode, a decode with two drafts, and a new prompt's first chunk -- in that order, not decodes first.
 STEPS = [
@@ -36,26 +49,64 @@ STEPS = [
 ]
 
 
-def model(weights: str, attention=None, **config) -> LlamaForCausalLM:
-    m = LlamaForCausalLM(LlamaConfig(**(CONFIG | config)), attention=attention or KernelAttention())
+def coded(fmt: str, n: int, k: int, g: torch.Generator) -> panel.PanelWeight:
+    """A weight ``[n, k]`` of random codes in ``fmt``, as a GGUF file's would be packed, with model-sized scales."""
+    bits, group, has_min = panel.CODED[fmt]
+    low, high = (0, 15) if bits == 4 else (-128, 127)
+    q = torch.randint(low, high + 1, (n, k), generator=g)
+    d = (torch.rand(n, k // group, generator=g) * (0.02 if bits == 4 else 0.002)).half().float()
+    m = (-torch.rand(n, k // group, generator=g) * 0.15).half().float() if has_min else None
+    return panel.pack_codes(q, d, m, fmt)
+
+
+def pack_parts(linear: Linear, parts: list[tuple[int, str]], g: torch.Generator) -> None:
+    """Give ``linear`` panels of random codes, ``parts`` being (rows, format) in row order, as loading a GGUF
+    file does; the fp32 weight goes."""
+    out_features, in_features = linear.weight.shape
+    assert sum(rows for rows, _ in parts) == out_features
+    linear.panels = tuple(coded(fmt, rows, in_features, g) for rows, fmt in parts)
+    linear.release_weight()
+
+
+def quantise(m: LlamaForCausalLM, layout: str, g: torch.Generator) -> None:
+    """Every layer's linears in ``layout``: "q4" (one part each) or "mixed" (q|k|v and gate|up in two parts of
+    two formats, o and down in one each)."""
+    hidden = CONFIG["hidden_size"]
+    for layer in m.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv_rows, gate_rows = attn.qkv_proj.weight.shape[0], mlp.intermediate
+        if layout == "q4":
+            parts = [[(qkv_rows, "q4")], [(hidden, "q4")], [(2 * gate_rows, "q4")], [(hidden, "q4")]]
+        else:
+            parts = [
+                [(Q_ROWS, "q4"), (qkv_rows - Q_ROWS, "q8g16")],
+                [(hidden, "q8g16")],
+                [(gate_rows, "q4"), (gate_rows, "q8")],
+                [(hidden, "q4")],
+            ]
+        for linear, rows in zip((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj), parts, strict=True):
+            pack_parts(linear, rows, g)
+
+
+def model(kind: str, attention=None) -> LlamaForCausalLM:
+    """A ``KINDS[kind]`` model with random weights (norm weights near 1), on the compiled kernels."""
+    layout, config = KINDS[kind]
+    m = LlamaForCausalLM(config, attention=attention or KernelAttention())
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in m.named_parameters():
             if "norm" in name:
                 p.copy_(torch.rand(p.shape, generator=g) + 0.5)
-            elif weights == "q4" and p.dim() == 2 and "layers" in name:
-                p.copy_(q4_1_weight(*p.shape, seed=int(torch.randint(1 << 30, (1,), generator=g)))[0])
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    m.use_kernels(quantized=True)
-    if attention is None and "attention_bias" not in config:
-        layer = m.layers[0]
-        assert layer.self_attn.qkv_proj.panel.format == layer.mlp.down_proj.panel.format == weights
+    if layout is not None:
+        quantise(m, layout, g)
+    m.use_kernels()  # packs what is still fp32 (the embedding's tied or untied head) and compiles the rest
     return m
 
 
 def new_pools(dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape = (16, BLOCK, CONFIG["num_key_value_heads"], 64)
+    shape = (16, BLOCK, CONFIG["num_key_value_heads"], HEAD_DIM)
     return [
         (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(CONFIG["num_hidden_layers"])
     ]
@@ -79,11 +130,24 @@ def run_steps(
     return [run_step(m, i, pools, g) for i in range(len(STEPS))], pools
 
 
-@pytest.mark.parametrize("weights", ["fp32", "q4"])
+def test_the_models_are_what_their_kinds_say() -> None:
+    """The layouts and configs reach the layers: parts in their formats, biases, the q/k norm."""
+    layer = model("fp32").layers[0]
+    assert [p.format for p in layer.self_attn.qkv_proj.panels] == ["fp32"] and layer.self_attn.qkv_proj.bias is None
+    layer = model("q4").layers[0]
+    assert [p.format for p in layer.mlp.down_proj.panels] == ["q4"]
+    layer = model("mixed-biases").layers[0]
+    assert [p.format for p in layer.self_attn.qkv_proj.panels] == ["q4", "q8g16"]
+    assert [p.format for p in layer.mlp.gate_up_proj.panels] == ["q4", "q8"]
+    assert all(m.bias is not None for m in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
+    assert model("qwen3-mixed").layers[0].self_attn.qk_norm_weight is not None
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["fp32-kv", "fp16-kv"])
-def test_the_stack_computes_the_modules_bits(weights: str, threads: int, kv_dtype: torch.dtype) -> None:
-    m = model(weights)
+def test_the_stack_computes_the_modules_bits(kind: str, threads: int, kv_dtype: torch.dtype) -> None:
+    m = model(kind)
     calls = []
     for layer in m.layers:
         layer.register_forward_hook(lambda *_: calls.append(1))
@@ -105,19 +169,25 @@ def test_the_stack_computes_the_modules_bits(weights: str, threads: int, kv_dtyp
 
 def test_configurations_it_does_not_cover_run_the_modules() -> None:
     assert stack_for(model("fp32", attention=TorchAttention())) is None
-    assert stack_for(model("fp32", attention_bias=True)) is None  # q/k/v and o biases
     plain = LlamaForCausalLM(LlamaConfig(**CONFIG), attention=KernelAttention())  # never packed: torch's GEMM
     assert stack_for(plain) is None
-    m = model("fp32", attention=TorchAttention())
+    m = model("mixed-biases", attention=TorchAttention())
     hidden, _ = run_steps(m, fused=True)
     assert m._stack is False and all(torch.isfinite(h).all() for h in hidden)
 
 
-def test_the_stack_refuses_pools_that_do_not_match_its_layers() -> None:
-    stack = stack_for(model("fp32"))
-    pools = [(torch.zeros(16, BLOCK, 2, 64), torch.zeros(16, BLOCK, 2, 64))]
+def test_the_stack_refuses_layers_and_pools_that_do_not_fit() -> None:
+    stack = stack_for(model("fp32"))._stack
+    norm, part = torch.ones(256), panel.pack(torch.zeros(32, 256), "fp32")
+    with pytest.raises(ValueError, match="part counts and biases of 4 linears"):
+        stack.add_layer(norm, norm, None, [part.packed] * 3, [32, 256, 0] * 3, [1, 1, 1], [None] * 3)
+    with pytest.raises(ValueError, match="one part or more"):
+        stack.add_layer(norm, norm, None, [part.packed] * 4, [32, 256, 0] * 4, [1, 1, 1, 2], [None] * 4)
+    with pytest.raises(ValueError, match="more parts than the part counts say"):
+        stack.add_layer(norm, norm, None, [part.packed] * 5, [32, 256, 0] * 5, [1, 1, 1, 1], [None] * 4)
+    pools = [(torch.zeros(16, BLOCK, 2, HEAD_DIM), torch.zeros(16, BLOCK, 2, HEAD_DIM))]
     with pytest.raises(ValueError, match="one k and one v pool per layer"):
-        stack._stack.bind_pools([k for k, _ in pools], [v for _, v in pools])
+        stack.bind_pools([k for k, _ in pools], [v for _, v in pools])
 
 
 def test_pools_replaced_between_steps_are_the_ones_written() -> None:

@@ -8,15 +8,20 @@
 // in the same order on the same tensors, called through the dispatcher from C++, so the result is the
 // per-module path's to the bit (tests/test_decoder_stack.py compares the two); only the Python goes.
 //
-// It covers the common configuration only: panel-packed linears without bias, no q/k norm, the compiled
-// attention kernel, one process (no tensor parallelism). The model keeps its modules and falls back to
-// them for anything else (pagedkv/model/decoder_stack.py decides).
+// It covers every Llama-family layer the panel GEMM serves whole: each linear packed in one part or in
+// several stacked by output rows (a GGUF file's fused q|k|v or gate|up whose parts it stores in different
+// types, as every Q4_K_M file does), with or without a bias (Qwen2's q/k/v, Llama's attention_bias and
+// mlp_bias), and Qwen3's q/k norm -- all run through the very ops the modules call, so they cost nothing
+// in exactness. What it leaves to the modules (pagedkv/model/decoder_stack.py decides): torch's GEMM
+// (weights not packed), torch's attention and norms, tensor parallelism (the row-parallel all-reduce is
+// Python's).
 //
 // The ops live in two libraries (the GEMM's needs AVX2), so they are found by name through the dispatcher
 // when the first step runs, not linked: this file builds wherever the portable library does.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/rms_norm.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -35,6 +40,7 @@ c10::TypedOperatorHandle<Signature> find_op(const char* name) {
 using Tensor = at::Tensor;
 using RmsNorm = Tensor(const Tensor&, const Tensor&, double, const std::optional<Tensor>&);
 using PanelLinear = Tensor(const Tensor&, const Tensor&, int64_t, int64_t, int64_t);
+using PanelLinearInto = void(const Tensor&, const Tensor&, int64_t, int64_t, int64_t, Tensor&, int64_t);
 using Rope = Tensor&(Tensor&, const Tensor&, const Tensor&);
 using WriteKv = void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&);
 using PagedAttention = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
@@ -44,45 +50,84 @@ using SiluMul = Tensor(const Tensor&);
 struct Ops {
   c10::TypedOperatorHandle<RmsNorm> rms_norm = find_op<RmsNorm>("pagedkv::rms_norm");
   c10::TypedOperatorHandle<PanelLinear> panel_linear = find_op<PanelLinear>("pagedkv::panel_linear");
+  c10::TypedOperatorHandle<PanelLinearInto> panel_linear_into = find_op<PanelLinearInto>("pagedkv::panel_linear_into");
   c10::TypedOperatorHandle<Rope> rope_ = find_op<Rope>("pagedkv::rope_");
   c10::TypedOperatorHandle<WriteKv> write_kv = find_op<WriteKv>("pagedkv::write_kv");
   c10::TypedOperatorHandle<PagedAttention> paged_attention = find_op<PagedAttention>("pagedkv::paged_attention");
   c10::TypedOperatorHandle<SiluMul> silu_mul = find_op<SiluMul>("pagedkv::silu_mul");
 };
 
-// A packed weight and what panel_linear needs to read it.
-struct Panel {
+// One part of a packed weight (its rows of the output) and what the GEMM needs to read it.
+struct Part {
   Tensor packed;
   int64_t n, k, format;
-  Tensor operator()(const Ops& ops, const Tensor& x) const { return ops.panel_linear.call(x, packed, n, k, format); }
+};
+
+// A linear layer as Linear.forward runs it on panels (see _panel_forward in pagedkv/model/layers.py): one part
+// returns the GEMM's own output; several write their columns of one output, in row order; then the bias.
+struct Linear {
+  std::vector<Part> parts;
+  int64_t out_features = 0;  // the parts' n summed
+  std::optional<Tensor> bias;
+
+  Tensor operator()(const Ops& ops, const Tensor& x) const {
+    Tensor y;
+    if (parts.size() == 1) {
+      const Part& p = parts.front();
+      y = ops.panel_linear.call(x, p.packed, p.n, p.k, p.format);
+    } else {
+      y = x.new_empty({x.size(0), out_features});
+      int64_t col = 0;
+      for (const Part& p : parts) {
+        ops.panel_linear_into.call(x, p.packed, p.n, p.k, p.format, y, col);
+        col += p.n;
+      }
+    }
+    if (bias) y.add_(*bias);
+    return y;
+  }
 };
 
 struct Layer {
   Tensor input_norm, post_norm;
-  Panel qkv, o, gate_up, down;
+  std::optional<Tensor> qk_norm;  // Qwen3's q_norm and k_norm weights, one row per head: [Hq + Hkv, D]
+  Linear qkv, o, gate_up, down;
 };
 
-constexpr int64_t kPanelsPerLayer = 4;  // qkv, o, gate_up, down
+constexpr int64_t kLinearsPerLayer = 4;  // qkv, o, gate_up, down
 
 class DecoderStack : public torch::CustomClassHolder {
  public:
-  // norms: [input_layernorm, post_attention_layernorm] per layer; packed: [qkv, o, gate_up, down] per layer,
-  // and dims (n, k, format) for each of them in the same order.
-  DecoderStack(const std::vector<Tensor>& norms, const std::vector<Tensor>& packed,
-               const std::vector<int64_t>& dims, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-               double eps, double scale)
+  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {
-    const size_t layers = norms.size() / 2;
-    TORCH_CHECK_VALUE(norms.size() == 2 * layers && packed.size() == kPanelsPerLayer * layers &&
-                          dims.size() == 3 * packed.size(),
-                      "DecoderStack: need 2 norms, 4 packed weights and 12 dims per layer");
     TORCH_CHECK_VALUE(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim > 0,
                       "DecoderStack: query heads must be a positive multiple of KV heads");
-    const auto panel = [&](size_t i) { return Panel{packed[i], dims[3 * i], dims[3 * i + 1], dims[3 * i + 2]}; };
-    for (size_t l = 0; l < layers; ++l) {
-      const size_t p = kPanelsPerLayer * l;
-      layers_.push_back({norms[2 * l], norms[2 * l + 1], panel(p), panel(p + 1), panel(p + 2), panel(p + 3)});
+  }
+
+  // The next layer. Its linears are qkv, o, gate_up, down, in that order: `parts` holds how many parts each
+  // has, `packed` every part in turn (each linear's in row order) and `dims` (n, k, format) for each part;
+  // `biases` one per linear, None where it has none. `qk_norm`: Qwen3's, or None.
+  void add_layer(const Tensor& input_norm, const Tensor& post_norm, const std::optional<Tensor>& qk_norm,
+                 const std::vector<Tensor>& packed, const std::vector<int64_t>& dims,
+                 const std::vector<int64_t>& parts, const std::vector<std::optional<Tensor>>& biases) {
+    TORCH_CHECK_VALUE(parts.size() == kLinearsPerLayer && biases.size() == kLinearsPerLayer,
+                      "DecoderStack: need the part counts and biases of 4 linears (qkv, o, gate_up, down)");
+    TORCH_CHECK_VALUE(dims.size() == 3 * packed.size(), "DecoderStack: need (n, k, format) for each part");
+    Linear linears[kLinearsPerLayer];
+    size_t next = 0;
+    for (int64_t i = 0; i < kLinearsPerLayer; ++i) {
+      TORCH_CHECK_VALUE(parts[i] > 0 && next + parts[i] <= packed.size(),
+                        "DecoderStack: every linear needs one part or more, all of them in packed");
+      Linear& linear = linears[i];
+      for (int64_t j = 0; j < parts[i]; ++j, ++next) {
+        linear.parts.push_back({packed[next], dims[3 * next], dims[3 * next + 1], dims[3 * next + 2]});
+        linear.out_features += dims[3 * next];
+      }
+      linear.bias = biases[i];
     }
+    TORCH_CHECK_VALUE(next == packed.size(), "DecoderStack: packed holds more parts than the part counts say");
+    layers_.push_back({input_norm, post_norm, qk_norm, std::move(linears[0]), std::move(linears[1]),
+                       std::move(linears[2]), std::move(linears[3])});
   }
 
   // The KV pools the layers write and read, one (k, v) per layer; bound again only when the caller's change.
@@ -97,8 +142,8 @@ class DecoderStack : public torch::CustomClassHolder {
   // h [T, hidden] (updated in place and returned): the residual stream after every layer. cos, sin_signed as
   // RotaryEmbedding.tables gives them; the rest is the step's AttentionMetadata.
   Tensor forward(Tensor h, const Tensor& cos, const Tensor& sin_signed, const Tensor& slot_mapping,
-                     const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc) {
-    TORCH_CHECK_VALUE(k_pools_.size() == layers_.size(), "DecoderStack: bind_pools first");
+                 const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc) {
+    TORCH_CHECK_VALUE(!layers_.empty() && k_pools_.size() == layers_.size(), "DecoderStack: bind_pools first");
     TORCH_CHECK_VALUE(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(),
                       "DecoderStack: h must be a contiguous float32 [T, hidden] tensor");
     if (!ops_) ops_.emplace();  // here, not in the constructor: the GEMM's library may load after this one
@@ -108,13 +153,16 @@ class DecoderStack : public torch::CustomClassHolder {
       const Layer& layer = layers_[l];
       // attention: LlamaDecoderLayer.forward -> LlamaAttention.forward -> KernelAttention.forward
       const Tensor qkv = layer.qkv(ops, ops.rms_norm.call(h, layer.input_norm, eps_, std::nullopt))
-                                 .view({tokens, -1, head_dim_});
+                             .view({tokens, -1, head_dim_});
       Tensor qk = qkv.narrow(1, 0, qk_heads);
+      if (layer.qk_norm) {  // F.rms_norm(qk, (head_dim,), eps=eps) * qk_norm_weight: torch's own ops, as there
+        qk = at::rms_norm(qk, {head_dim_}, std::nullopt, eps_).mul(*layer.qk_norm);
+      }
       ops.rope_.call(qk, cos, sin_signed);
       ops.write_kv.call(k_pools_[l], v_pools_[l], slot_mapping, qk.narrow(1, num_heads_, num_kv_heads_),
                         qkv.narrow(1, qk_heads, num_kv_heads_));
       const Tensor attended = ops.paged_attention.call(qk.narrow(1, 0, num_heads_), k_pools_[l], v_pools_[l],
-                                                           block_tables, seq_lens, query_start_loc, scale_);
+                                                       block_tables, seq_lens, query_start_loc, scale_);
       const Tensor out = layer.o(ops, attended.view({tokens, -1}));
       // MLP: h += out, normalised; then h += down(silu(gate) * up)
       const Tensor x = ops.rms_norm.call(out, layer.post_norm, eps_, h);
@@ -135,8 +183,8 @@ class DecoderStack : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(pagedkv, lib) {
   lib.class_<DecoderStack>("DecoderStack")
-      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, int64_t, int64_t,
-                       int64_t, double, double>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, double>())
+      .def("add_layer", &DecoderStack::add_layer)
       .def("bind_pools", &DecoderStack::bind_pools)
       .def("forward", &DecoderStack::forward);
 }

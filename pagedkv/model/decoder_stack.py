@@ -5,9 +5,13 @@ A one-row step runs ~10 small ops per layer; reaching each from Python costs abo
 8.4 ms in the GEMMs and attention alone). The stack runs the same ops, in the same order, on the same
 tensors from C++, so every step gets the modules' bits, and the modules stay the reference and the fallback.
 
-It serves the configuration the engine runs by default on a machine that builds the kernels: every linear
-layer panel-packed and without bias, no q/k norm, the compiled attention kernel, one process. Anything else
--- torch's ops, the gather backend, tensor parallelism, Qwen2's biases, Qwen3's q/k norm -- runs the modules.
+It serves every model the engine runs by default on a machine that builds the kernels: each linear layer
+panel-packed, in one part or in parts of different formats (a GGUF file's fused q|k|v or gate|up, mixed in
+every Q4_K_M file), with or without biases (Qwen2), with or without Qwen3's q/k norm, the compiled attention
+kernel and norms, one process. These cost the stack nothing in exactness: it calls the ops the modules call
+(``panel_linear_into`` per part, ``add_`` for a bias, torch's ``rms_norm`` and ``mul`` for the q/k norm).
+What runs the modules is what it cannot call from C++ as they do: torch's GEMM (weights left unpacked),
+torch's attention or norms (the gather backend, ``kernels=False``), tensor parallelism (its collectives).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from pagedkv import kernels
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.attention.paged import KernelAttention
 from pagedkv.model.panel import FORMATS
@@ -26,19 +31,23 @@ class DecoderStack:
     """The compiled stack of one model's layers, and the KV pools it was last bound to."""
 
     def __init__(self, model: nn.Module) -> None:
-        norms: list[Tensor] = []
-        packed: list[Tensor] = []
-        dims: list[int] = []
-        for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                packed.append(linear.panel.packed)
-                dims += [linear.panel.n, linear.panel.k, FORMATS[linear.panel.format]]
         first = model.layers[0].self_attn
         self._stack = torch.classes.pagedkv.DecoderStack(
-            norms, packed, dims, first.num_heads, first.num_kv_heads, first.head_dim, first.eps, first.scale
+            first.num_heads, first.num_kv_heads, first.head_dim, first.eps, first.scale
         )
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            parts = [part for linear in linears for part in linear.panels]
+            self._stack.add_layer(
+                layer.input_layernorm.weight,
+                layer.post_attention_layernorm.weight,
+                attn.qk_norm_weight,
+                [part.packed for part in parts],
+                [dim for part in parts for dim in (part.n, part.k, FORMATS[part.format])],
+                [len(linear.panels) for linear in linears],
+                [linear.bias for linear in linears],
+            )
         self._pools: Sequence[tuple[Tensor, Tensor]] | None = None
 
     def __call__(
@@ -62,10 +71,11 @@ def stack_for(model: nn.Module) -> DecoderStack | None:
     """A :class:`DecoderStack` for ``model`` if every layer fits the compiled one (see the module docstring)."""
     if model.tp.world_size != 1 or not isinstance(model.attention, KernelAttention):
         return None
+    if not kernels.portable.available():  # the class's library: the modules' ops load it at their first call
+        return None
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(m.panel is None or m.bias is not None for m in linears) or attn.qk_norm_weight is not None:
+        if not all(m.panels for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
             return None
         if not (attn.compiled and mlp.compiled and layer.input_layernorm.compiled):
             return None
