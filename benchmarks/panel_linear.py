@@ -1,6 +1,7 @@
 """All linear layers of one step of the default model: MKL (torch) against the panel GEMM, fp32 and exact codes.
 
     python benchmarks/panel_linear.py [--threads 2] [--rows 1 4 9 16 32 128 724] [--quick] [--avx2]
+                                      [--formats [fp32 q4 ...]] [--format-rows 1 16 128]
 
 A step runs 30 layers x (qkv, o, gate_up, down) plus the LM head on M rows (M = batch size when decoding,
 prompt tokens when prefilling). Each candidate runs all 121 of them, on separate weight copies like a real
@@ -17,11 +18,17 @@ every M before (``-`` above 8 rows, where it is what runs). ``q4_GBps`` is the q
 call per layer): the memory speed a one-row step cannot beat.
 
 The weights are synthetic but coded like the GGUF file's, so ``pack`` accepts them as exact.
+
+With ``--formats`` (all of them if none is named: fp32, the half-precision ones and every quantised one a
+GGUF file's types are packed into), a second table runs the same step with every weight in one panel format,
+at ``--format-rows`` rows: each format's time, and at one row the GB/s it reads its weights at (its bytes over
+its time). The codes are random, in each format's range; the time does not depend on their values.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -57,6 +64,19 @@ def q8_coded(n: int, k: int) -> torch.Tensor:
     return (q * d.unsqueeze(-1)).reshape(n, k)
 
 
+def format_coded(fmt: str, n: int, k: int) -> panel.PanelWeight:
+    """A weight ``[n, k]`` in panel format ``fmt``: model-sized values, or random codes with fp16-valued scales."""
+    if fmt == "fp32":
+        return panel.pack(torch.randn(n, k) * 0.05, fmt)
+    if fmt in panel.HALF:
+        return panel.pack_half((torch.randn(n, k) * 0.05).to(panel.HALF[fmt]), fmt)
+    bits, group, has_min = panel.CODED[fmt]
+    q = torch.randint(0, 16, (n, k)) if bits == 4 else torch.randint(-128, 128, (n, k))
+    d = (torch.rand(n, k // group) * 0.01).half().float()
+    m = (-torch.rand(n, k // group) * 0.08).half().float() if has_min else None
+    return panel.pack_codes(q, d, m, fmt)
+
+
 # The paths of torch.ops.pagedkv._panel_linear_path (csrc/panel_linear.cpp).
 AUTO, TILED, AVX2 = 0, 1, 2
 REGISTER_ROWS = 8  # up to which the panel GEMM picks its register kernels
@@ -77,6 +97,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--quick", action="store_true", help="4 layers, few repeats")
     parser.add_argument("--avx2", action="store_true", help="the AVX2 register kernels even where AVX-512 runs")
+    parser.add_argument(
+        "--formats", nargs="*", choices=list(panel.FORMATS), help="also time each format alone (all if none named)"
+    )
+    parser.add_argument("--format-rows", type=int, nargs="*", default=[1, 16, 128])
     args = parser.parse_args()
     setup_threads(args.threads)
     if not kernels.gemm.available():
@@ -131,6 +155,42 @@ def main() -> None:
         f"register kernels (<= {REGISTER_ROWS} rows): {kernels_used}"
     )
     print(format_table(headers, table))
+    if args.formats is not None and args.format_rows:
+        args.formats = args.formats or list(panel.FORMATS)
+        print("\nEvery weight in one format: ms at each row count; GB/s at 1 row (the weights' bytes over the time)")
+        print(format_table(*format_speeds(args, layers)))
+
+
+def format_speeds(args: argparse.Namespace, layers: int) -> tuple[list[str], list[list[object]]]:
+    """The step with every weight in each of ``args.formats``, the formats timed in interleaved rounds, each
+    one's result checked bit for bit (first layer) against an fp32 panel of its decoded weights."""
+    shapes = [shape for _ in range(layers) for shape in LAYER_SHAPES] + [HEAD_SHAPE]
+    weights = {fmt: [format_coded(fmt, n, k) for n, k in shapes] for fmt in args.formats}
+    x = torch.randn(3, shapes[0][1])
+    for fmt, (first, *_) in weights.items():
+        decoded = panel.pack(panel.rows(first, torch.arange(first.n)), "fp32")
+        if not torch.equal(panel_path(x, first, AUTO), panel_path(x, decoded, AUTO)):
+            raise SystemExit(f"{fmt}: the panel does not compute with its decoded weights")
+    ms = {fmt: [] for fmt in args.formats}
+    for rows in args.format_rows:
+        xs = {k: torch.randn(rows, k) for k in {k for _, k in shapes}}
+        path = AVX2 if args.avx2 and rows <= REGISTER_ROWS else AUTO
+        steps = {fmt: functools.partial(run_step, xs, ws, path) for fmt, ws in weights.items()}
+        us = time_interleaved(steps, warmup=1, repeats=3 if args.quick or rows > 200 else 7)
+        for fmt in args.formats:
+            ms[fmt].append(us[fmt] / 1e3)
+    num_weights = sum(n * k for n, k in shapes)
+    table = []
+    for fmt, ws in weights.items():
+        nbytes = sum(p.nbytes for p in ws)
+        gbps = nbytes / ms[fmt][args.format_rows.index(1)] / 1e6 if 1 in args.format_rows else "-"
+        table.append([fmt, nbytes / num_weights, nbytes / 1e6, gbps] + ms[fmt])
+    headers = ["format", "bytes_per_weight", "MB", "GBps_1_row"] + [f"ms_{rows}_rows" for rows in args.format_rows]
+    return headers, table
+
+
+def run_step(xs: dict[int, torch.Tensor], weights: list[panel.PanelWeight], path: int) -> list[torch.Tensor]:
+    return [panel_path(xs[p.k], p, path) for p in weights]
 
 
 if __name__ == "__main__":

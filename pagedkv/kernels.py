@@ -236,3 +236,10 @@ def panel_linear(x: Tensor, packed: Tensor, n: int, k: int, format_code: int) ->
     """The raw panel GEMM on a 2-D fp32 ``x`` (see :func:`pagedkv.model.panel.panel_linear`)."""
     gemm.require("use kernels=False")
     return torch.ops.pagedkv.panel_linear(x, packed, n, k, format_code)
+
+
+def panel_linear_into(x: Tensor, packed: Tensor, n: int, k: int, format_code: int, y: Tensor, col: int) -> None:
+    """The raw panel GEMM into columns ``[col, col + n)`` of a contiguous fp32 ``y [M, N]`` (see
+    :func:`pagedkv.model.panel.panel_linear_into`)."""
+    gemm.require("use kernels=False")
+    torch.ops.pagedkv.panel_linear_into(x, packed, n, k, format_code, y, col)

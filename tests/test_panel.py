@@ -1,7 +1,9 @@
-"""Exact checkpoint codes (Q4_1, Q8_0) are recovered bit for bit, and the panel GEMM is a GEMM.
+"""Exact checkpoint codes (Q4_1, Q8_0) are recovered bit for bit, and the panel GEMM is a GEMM, in every
+panel format (fp32, f16, bf16 and the quantised q4, q8, q8m, q4g16, q8g16).
 
 References are independent of the code under test: weights built from known (d, q, m) codes the way
-GGUF de-quantises them, and plain ``x @ w.T`` in float64.
+GGUF de-quantises them (in fp32 torch), half-precision values widened by torch, and plain ``x @ w.T`` in
+float64; and, bit for bit, an fp32 panel holding those weights.
 """
 
 from __future__ import annotations
@@ -79,17 +81,75 @@ def test_one_changed_weight_is_rejected() -> None:
 needs_kernel = pytest.mark.skipif(not kernels.gemm.available(), reason="the panel kernel could not be built here")
 
 
-def _weights(n: int, k: int) -> dict[str, torch.Tensor]:
-    return {"fp32": torch.randn(n, k) * 0.05, "q4": q4_1_weight(n, k, seed=n)[0], "q8": q8_0_weight(n, k, seed=k)[0]}
+def _fp16_values(shape: tuple[int, ...], g: torch.Generator, extreme: bool) -> torch.Tensor:
+    """Non-negative fp16 values as fp32: model-sized ones, or (``extreme``) any finite fp16, subnormals and the
+    largest (65504) included."""
+    if not extreme:
+        return (torch.rand(shape, generator=g) * 0.02).half().float()
+    values = torch.randint(0, 0x7C00, shape, generator=g, dtype=torch.int16).view(torch.float16).float()
+    values.view(-1)[:2] = torch.tensor([65504.0, 2.0**-24])  # the largest and the smallest (subnormal) fp16
+    return values
+
+
+def coded_weight(
+    fmt: str, n: int, k: int, seed: int = 0, extreme: bool = False
+) -> tuple[torch.Tensor, panel.PanelWeight]:
+    """``(w, packed)``: codes spanning the format's whole range, packed with :func:`panel.pack_codes`, and
+    ``w = d * q (+ m)`` computed by torch in fp32 (multiply, then add: gguf's numpy de-quantiser).
+
+    ``d`` is an fp16 value times a 6-bit sub-block scale, as the K-quants build it (up to 17 significant
+    bits), of either sign; ``m`` likewise. With a min, ``d * q`` is then still exact (q has at most 7
+    significant bits), as formats.md requires.
+    """
+    bits, group, has_min = panel.CODED[fmt]
+    g = torch.Generator().manual_seed(seed)
+    groups = k // group
+    low, high = (0, 15) if bits == 4 else (-128, 127)
+    q = torch.randint(low, high + 1, (n, k), generator=g)
+    q.view(-1)[:2] = torch.tensor([low, high])
+
+    def scale() -> torch.Tensor:
+        sign = torch.where(torch.rand(n, groups, generator=g) < 0.5, -1.0, 1.0)
+        return _fp16_values((n, groups), g, extreme) * torch.randint(1, 64, (n, groups), generator=g) * sign
+
+    d = scale()
+    if extreme:
+        d[-1, -1] = 65504.0 * 63  # the largest K-quant d
+    m = scale() if has_min else None
+    w = q.view(n, groups, group).float() * d.unsqueeze(-1)
+    if m is not None:
+        w = w + m.unsqueeze(-1)
+    return w.reshape(n, k), panel.pack_codes(q, d, m, fmt)
+
+
+def half_weight(fmt: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, panel.PanelWeight]:
+    """``(w, packed)`` for random half-precision bits of either sign, subnormals included: any finite fp16;
+    bf16 below 2^99, so that sums of products with x stay finite (an inf or NaN compares unequal to itself)."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(0, 0x7C00 if fmt == "f16" else 0x7100, (n, k), generator=g, dtype=torch.int16)
+    bits |= torch.where(torch.rand(n, k, generator=g) < 0.5, -0x8000, 0).to(torch.int16)  # the sign bit
+    return bits.view(panel.HALF[fmt]).float(), panel.pack_half(bits, fmt)
+
+
+def _panels(n: int, k: int, extreme: bool = False) -> dict[str, tuple[torch.Tensor, panel.PanelWeight]]:
+    """Every format whose group divides ``k``: ``fmt -> (w, packed)``. fp32, and q4 / q8 from model-like weights
+    unless ``extreme``, through :func:`panel.pack`; the others from their codes or bits."""
+    out = {"fp32": torch.randn(n, k) * 0.05}
+    if k % GROUP == 0 and not extreme:
+        out |= {"q4": q4_1_weight(n, k, seed=n)[0], "q8": q8_0_weight(n, k, seed=k)[0]}
+    out = {fmt: (w, panel.pack(w, fmt)) for fmt, w in out.items()}
+    for fmt, (_, group, _) in panel.CODED.items():
+        if k % group == 0 and fmt not in out:
+            out[fmt] = coded_weight(fmt, n, k, seed=n + k, extreme=extreme)
+    return out | {fmt: half_weight(fmt, n, k, seed=n * k) for fmt in panel.HALF}
 
 
 @needs_kernel
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_panel_linear_matches_matmul(n: int, k: int) -> None:
     g = torch.Generator().manual_seed(1)
-    for fmt, w in _weights(n, k).items():
-        packed = panel.pack(w, fmt)
-        assert packed is not None and packed.n == n and packed.k == k
+    for fmt, (w, packed) in _panels(n, k).items():
+        assert packed.n == n and packed.k == k
         for rows in [*range(1, 14), 31, 97, 200]:  # every register tile size, and more than one row block
             x = torch.randn(rows, k, generator=g)
             expected = x.double() @ w.double().T
@@ -102,8 +162,7 @@ def test_panel_linear_matches_matmul(n: int, k: int) -> None:
 
 @needs_kernel
 def test_a_row_does_not_depend_on_its_batch() -> None:
-    for fmt, w in _weights(48, 576).items():
-        packed = panel.pack(w, fmt)
+    for fmt, (_, packed) in _panels(48, 576).items():
         x = torch.randn(40, 576)
         together = panel.panel_linear(x, packed)
         for i in (0, 5, 6, 39):
@@ -111,17 +170,15 @@ def test_a_row_does_not_depend_on_its_batch() -> None:
             assert torch.equal(panel.panel_linear(x[: i + 1], packed)[i], together[i]), (fmt, i)
 
 
-# The paths of the private op torch.ops.pagedkv._panel_linear_path (csrc/panel_linear.cpp): the tiled
-# GEMM (what serves > 8 rows), and the register kernels (<= 8 rows), 8 or 16 floats a register.
+# The paths of the private ops torch.ops.pagedkv._panel_linear_path and _panel_linear_into_path
+# (csrc/panel_linear.cpp): the tiled GEMM (what serves > 8 rows), and the register kernels (<= 8 rows), 8 or
+# 16 floats a register.
 AUTO, TILED, AVX2, AVX512 = 0, 1, 2, 3
 has_avx512 = "avx512f" in cpu_flags().split()
-# Odd N (a padded last panel), K < 256, K not a multiple of 256 (a short last chunk) and, for fp32, of 32.
+PATHS = [TILED, AVX2] + ([AVX512] if has_avx512 else [])
+# Odd N (a padded last panel), K < 256, K not a multiple of 256 (a short last chunk) and, for the float
+# formats, of the groups (16 or 32).
 FEW_ROWS_SHAPES = [(960, 576), (37, 96), (50, 800), (33, 1536), (200, 600)]
-
-
-def _coded_if_possible(n: int, k: int) -> dict[str, torch.Tensor]:
-    """fp32, q4 and q8 weights; only fp32 where K is not a multiple of the 32-weight groups."""
-    return _weights(n, k) if k % GROUP == 0 else {"fp32": torch.randn(n, k) * 0.05}
 
 
 def _path(x: torch.Tensor, packed: panel.PanelWeight, path: int) -> torch.Tensor:
@@ -144,11 +201,10 @@ def test_few_rows_equal_their_rows_in_a_big_call(n: int, k: int, threads: int) -
     """Decode-size calls (the register kernels) give every row the bits the tiled path gives it at M = 64.
 
     Bitwise, as the determinism guarantee needs: whatever M (1-8 and 9, past the switch), wherever the
-    rows sit in x, on 1 or 2 threads, fp32 / q4 / q8.
+    rows sit in x, on 1 or 2 threads, in every format.
     """
     g = torch.Generator().manual_seed(n + k)
-    for fmt, w in _coded_if_possible(n, k).items():
-        packed = panel.pack(w, fmt)
+    for fmt, (_, packed) in _panels(n, k).items():
         x = torch.randn(64, k, generator=g)
         together = panel.panel_linear(x, packed)
         assert torch.equal(together, _path(x, packed, TILED)), fmt  # 64 rows: the tiled path
@@ -167,36 +223,103 @@ def test_register_kernels_equal_the_tiled_path(n: int, k: int, path: int, thread
     if path == AVX512 and not has_avx512:
         pytest.skip("this CPU has no AVX-512F")
     g = torch.Generator().manual_seed(n * k)
-    for fmt, w in _coded_if_possible(n, k).items():
-        packed = panel.pack(w, fmt)
+    for fmt, (_, packed) in _panels(n, k).items():
         for rows in (1, 2, 3, 4, 5, 6, 7, 8, 13):
             x = torch.randn(rows, k, generator=g)
             assert torch.equal(_path(x, packed, path), _path(x, packed, TILED)), (fmt, rows)
 
 
 @needs_kernel
-def test_codes_compute_with_exactly_their_weights() -> None:
-    """A q4 / q8 panel gives the bits of an fp32 panel holding the de-quantised weights, on every path:
-    ``d * q`` is exact (fp16 d, 4- or 8-bit q), so de-quantising rounds once whether or not the compiler
-    fuses the multiply and the add."""
-    paths = [TILED, AVX2] + ([AVX512] if has_avx512 else [])
-    for fmt, w in (("q4", q4_1_weight(40, 544)[0]), ("q8", q8_0_weight(40, 544)[0])):
-        coded, fp32 = panel.pack(w, fmt), panel.pack(w, "fp32")
-        for rows in (1, 3, 12):
-            x = torch.randn(rows, 544)
-            for path in paths:
-                assert torch.equal(_path(x, coded, path), _path(x, fp32, path)), (fmt, rows, path)
+@pytest.mark.parametrize(("n", "k"), [(37, 800), (75, 96), (19, 600)])
+@pytest.mark.parametrize("extreme", [False, True], ids=["model-scales", "extreme-scales"])
+def test_codes_compute_with_exactly_their_weights(n: int, k: int, extreme: bool, threads: int) -> None:
+    """A coded or half-precision panel gives the bits of an fp32 panel holding its decoded weights, on every
+    path, at 1-13 rows: every format computes with exactly gguf's weights, in fp32. With a min, ``d * q`` is
+    exact, so de-quantising rounds once whether or not it is fused; without one, ``d * q`` rounds once (as in
+    torch) before it meets x. Extreme scales: d from fp16's smallest subnormal to 65504 * 63."""
+    g = torch.Generator().manual_seed(k)
+    for fmt, (w, packed) in _panels(n, k, extreme).items():
+        if fmt == "fp32":
+            continue
+        fp32 = panel.pack(w, "fp32")
+        for rows in range(1, 14):
+            x = torch.randn(rows, k, generator=g)
+            for path in PATHS:
+                assert torch.equal(_path(x, packed, path), _path(x, fp32, path)), (fmt, rows, path)
 
 
 @needs_kernel
-def test_rows_read_back_exactly_the_packed_weights() -> None:
+@pytest.mark.parametrize("extreme", [False, True], ids=["model-scales", "extreme-scales"])
+def test_rows_read_back_exactly_the_packed_weights(extreme: bool) -> None:
     """panel.rows (the embedding lookup of a tied LM head whose panel holds the only copy) gives back the very
-    weights that were packed, in every format, with a padded last panel and repeated ids."""
+    weights that were packed, bit for bit (the sign of a zero included), in every format, with a padded last
+    panel and repeated ids."""
     ids = torch.tensor([0, 36, 15, 16, 36, 7])
-    for fmt, w in (("fp32", torch.randn(37, 96)), ("q4", q4_1_weight(37, 96)[0]), ("q8", q8_0_weight(37, 96)[0])):
-        assert torch.equal(panel.rows(panel.pack(w, fmt), ids), w[ids]), fmt
+    for fmt, (w, packed) in _panels(37, 96, extreme).items():
+        assert torch.equal(panel.rows(packed, ids).view(torch.int32), w[ids].view(torch.int32)), fmt
     with pytest.raises(ValueError, match=r"ids\[1\] = 37 is outside \[0, 37\)"):  # the padded lane is no row
         panel.rows(panel.pack(torch.randn(37, 96), "fp32"), torch.tensor([0, 37]))
+
+
+def _into(x: torch.Tensor, packed: panel.PanelWeight, y: torch.Tensor, col: int, path: int) -> None:
+    torch.ops.pagedkv._panel_linear_into_path(
+        x, packed.packed, packed.n, packed.k, panel.FORMATS[packed.format], y, col, path
+    )
+
+
+@needs_kernel
+@pytest.mark.parametrize("k", [800, 600])
+def test_panel_linear_into_writes_exactly_its_columns(k: int, threads: int) -> None:
+    """panel_linear_into fills columns [col, col + n) of a wider y with panel_linear's bits, on every path, and
+    leaves the other columns alone (an odd n: the padded last panel must not spill over)."""
+    n, width, col = 37, 50, 5
+    for fmt, (_, packed) in _panels(n, k).items():
+        for rows in (1, 5, 13):
+            x = torch.randn(rows, k)
+            want = panel.panel_linear(x, packed)
+            for path in (AUTO, *PATHS):
+                y = torch.full((rows, width), float("nan"))
+                _into(x, packed, y, col, path)
+                assert torch.equal(y[:, col : col + n], want), (fmt, rows, path)
+                assert y[:, :col].isnan().all() and y[:, col + n :].isnan().all(), (fmt, rows, path)
+
+
+@needs_kernel
+def test_a_fused_layer_runs_its_parts_in_their_formats_into_one_output() -> None:
+    """q|k|v packed apart in three formats: one panel_linear_into per part gives each part's own results."""
+    parts = [coded_weight("q8g16", 64, 576)[1], half_weight("bf16", 21, 576)[1], coded_weight("q4", 43, 576)[1]]
+    for rows in (1, 7, 20):
+        x = torch.randn(rows, 576)
+        y = torch.empty(rows, sum(p.n for p in parts))
+        col = 0
+        for part in parts:
+            panel.panel_linear_into(x, part, y, col)
+            col += part.n
+        assert torch.equal(y, torch.cat([panel.panel_linear(x, p) for p in parts], dim=1)), rows
+
+
+@needs_kernel
+def test_bad_codes_and_outputs_are_refused() -> None:
+    q, d, m = torch.randint(0, 16, (16, 64)), torch.rand(16, 2), torch.rand(16, 2)
+    with pytest.raises(ValueError, match=r"codes must lie in \[0, 15\]"):
+        panel.pack_codes(q + 1, d, m, "q4")
+    with pytest.raises(ValueError, match="and no m"):
+        panel.pack_codes(q, d, m, "q8")
+    with pytest.raises(ValueError, match="d and m"):
+        panel.pack_codes(q, d, None, "q8m")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        panel.pack_codes(q[:, :48], d, m, "q4")
+    with pytest.raises(ValueError, match="float16"):
+        panel.pack_half(torch.zeros(4, 8, dtype=torch.bfloat16), "f16")
+    packed = panel.pack_codes(q, d, m, "q4")
+    with pytest.raises(ValueError, match="multiple of 32"):  # the C++ check, for a caller that skips panel.py
+        torch.ops.pagedkv.panel_linear(torch.randn(1, 48), packed.packed, 16, 48, panel.FORMATS["q4"])
+    with pytest.raises(ValueError, match="unknown format 8"):
+        torch.ops.pagedkv.panel_linear(torch.randn(1, 64), packed.packed, 16, 64, 8)
+    x = torch.randn(3, 64)
+    for y, col in ((torch.empty(3, 20), 5), (torch.empty(3, 40)[:, ::2], 0), (torch.empty(2, 16), 0)):
+        with pytest.raises(RuntimeError, match="panel_linear: "):
+            panel.panel_linear_into(x, packed, y, col)
 
 
 @needs_kernel

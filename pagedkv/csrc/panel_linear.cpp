@@ -5,24 +5,46 @@
 // a panel side by side in memory, which row-major W [N, K] does not give. Packing once at load time makes
 // every step read its weights as one sequential stream, at any batch size, with no per-call repacking.
 //
-// Formats of a panel (P = ceil(N / 16) panels; a last partial panel is zero-padded):
-//   fp32: float [K][16].
-//   q4:   per group of 32 k, 384 bytes: codes [16 k-pairs][16 outputs] (byte = q[2p] | q[2p + 1] << 4),
-//         then float d[16], then float m[16];  w = d * q + m, q in 0..15 (GGUF Q4_1).
-//   q8:   per group of 32 k, 576 bytes: int8 codes [32 k][16 outputs], then float d[16];  w = d * q (Q8_0).
+// Formats of a panel (P = ceil(N / 16) panels, one after another; a last partial panel is zero-padded, codes,
+// d and m 0, so its padded outputs compute 0). A float format holds each k's 16 weights side by side. A
+// quantised one holds records of G consecutive k: the codes [G k][16 outputs] -- int8, or for 4-bit codes
+// one byte per output and k-pair (byte = q[2p] | q[2p + 1] << 4, unsigned) -- then float d[16], then, in a
+// format with a min, float m[16]. K must be a multiple of G.
+//
+//   code  name   G   codes      bytes        weight       what the GGUF converter packs into it
+//   0     fp32   -   -          64 per k     w            F32
+//   1     q4     32  4-bit u    384 record   d * q + m    Q4_0, Q4_1, Q4_K
+//   2     q8     32  8-bit s    576 record   d * q        Q5_0, Q8_0
+//   3     q8m    32  8-bit s    640 record   d * q + m    Q5_1, Q5_K
+//   4     q4g16  16  4-bit u    256 record   d * q + m    Q2_K
+//   5     q8g16  16  8-bit s    320 record   d * q        Q3_K, Q6_K
+//   6     f16    -   fp16 bits  32 per k     (float) h    F16
+//   7     bf16   -   bf16 bits  32 per k     bits << 16   BF16
+//
+// The weights are exactly those gguf's numpy dequantize computes in fp32. With a min, d * q is exact: d has at
+// most 17 significant bits (an fp16 value times a 6-bit scale) and q at most 7 (|q| <= 128), 24 in all; so
+// d * q + m rounds once, fused or not, and every path here fuses it. Without a min, d * q may need 25 bits
+// (Q6_K: an 8-bit scale), so the weight is that product rounded once, and only then multiplied by x: the
+// reference's two roundings, on every path.
+//
+// Measured at one row (benchmarks/panel_linear.py --formats: the default model's 121 linears with every weight
+// in one format, 2 threads, Zen 5, AVX-512): fp32 21 ms a step (26 GB/s), f16 and bf16 11 (24-25 GB/s), q8,
+// q8g16 and q8m 7.1-8.8 (19-23 GB/s), q4 and q4g16 5.8-6.4 (17-21 GB/s): the fewer bytes a weight, the more
+// its decoding rather than memory sets the pace.
 //
 // Two ways through, by the number of rows M:
-//   - tiled (M > 8: prefill, big batches): a quantised panel is expanded to fp32, 256 k at a time, into an
-//     L1-resident buffer and then multiplied like an fp32 one, 6 rows per register tile: the expansion is
+//   - tiled (M > 8: prefill, big batches): a panel other than fp32 is expanded to fp32, 256 k at a time, into
+//     an L1-resident buffer and then multiplied like an fp32 one, 6 rows per register tile: the expansion is
 //     paid once per call and panel, not once per row.
-//   - registers (M <= 8: decode): each k's weights of one panel are de-quantised straight into registers
-//     and used by up to 4 rows at once, with software prefetch; at one row this reads the weights at close
-//     to memory speed, where the tiled path waits on its FMA chains.
+//   - registers (M <= 8: decode): each k's weights of one panel are decoded straight into registers and used
+//     by up to 4 rows at once, with software prefetch; at one row this reads the weights at close to memory
+//     speed, where the tiled path waits on its FMA chains.
 //
 // Every output is summed in the same order on both (fused multiply-adds over k within 256-wide chunks, then
 // the chunks), whatever M, the row's position in the batch, the thread split or the vector width: a
 // request's numbers do not depend on what it is batched with.
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -30,85 +52,166 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #else
-#error "panel_linear needs AVX2 and FMA (x86-64-v3): without them only this library is lost, torch runs the GEMM"
+#error "panel_linear needs AVX2, FMA and F16C (x86-64-v3): without them only this library is lost, torch runs the GEMM"
 #endif
 
 namespace {
 
 constexpr int64_t kPanel = 16;     // outputs per panel: two AVX2 vectors of 8 floats
-constexpr int64_t kGroup = 32;     // quantisation group along K
 constexpr int64_t kChunk = 256;    // k values expanded at a time: 16 KiB of fp32, stays in L1
 constexpr int64_t kRowBlock = 96;  // x rows kept hot (in L2) while a thread walks its panels
 constexpr int kTile = 6;           // x rows per register tile: 12 accumulators + 2 weights + 1 broadcast
 
-enum Format : int64_t { kF32 = 0, kQ4 = 1, kQ8 = 2 };
-constexpr int64_t kQ4Record = kPanel * kGroup / 2 + 2 * kPanel * sizeof(float);  // 384 bytes
-constexpr int64_t kQ8Record = kPanel * kGroup + kPanel * sizeof(float);          // 576 bytes
+enum Format : int { kF32, kQ4, kQ8, kQ8M, kQ4G16, kQ8G16, kF16, kBF16, kFormats };
+
+// What one format's panel holds, k ascending, in "units": a record of G k, or one k of a float format.
+template <int Bits, int64_t Group, bool Min>
+struct Codes {
+  static constexpr int kBits = Bits;
+  static constexpr bool kMin = Min;
+  static constexpr int64_t kUnit = Group;              // k per unit
+  static constexpr int64_t kLines = Group * Bits / 8;  // 16-byte lines of codes, 1 k each (8-bit) or 2 (4-bit)
+  static constexpr int64_t kScales = kLines * kPanel;  // byte offset of d[16] (then m[16])
+  static constexpr int64_t kBytes = kScales + (Min ? 2 : 1) * kPanel * sizeof(float);
+};
+template <int64_t Bytes>  // per weight
+struct Floats {
+  static constexpr int64_t kUnit = 1;
+  static constexpr int64_t kBytes = kPanel * Bytes;
+};
+template <int F>
+struct Spec;
+template <> struct Spec<kF32> : Floats<4> {};
+template <> struct Spec<kQ4> : Codes<4, 32, true> {};
+template <> struct Spec<kQ8> : Codes<8, 32, false> {};
+template <> struct Spec<kQ8M> : Codes<8, 32, true> {};
+template <> struct Spec<kQ4G16> : Codes<4, 16, true> {};
+template <> struct Spec<kQ8G16> : Codes<8, 16, false> {};
+template <> struct Spec<kF16> : Floats<2> {};
+template <> struct Spec<kBF16> : Floats<2> {};
+static_assert(Spec<kQ4>::kBytes == 384 && Spec<kQ8>::kBytes == 576 && Spec<kQ8M>::kBytes == 640 &&
+              Spec<kQ4G16>::kBytes == 256 && Spec<kQ8G16>::kBytes == 320);
+
+// What the run-time code looks up by format: kByFormat<Entry>[format] = Entry::of<format>().
+template <class Entry, size_t... F>
+constexpr auto by_format(std::index_sequence<F...>) {
+  return std::array{Entry::template of<static_cast<int>(F)>()...};
+}
+template <class Entry>
+constexpr auto kByFormat = by_format<Entry>(std::make_index_sequence<kFormats>());
+
+struct Shape {
+  int64_t unit, bytes;
+  template <int F>
+  static constexpr Shape of() { return {Spec<F>::kUnit, Spec<F>::kBytes}; }
+};
+
+int64_t panel_bytes(int64_t format, int64_t k) {
+  const Shape s = kByFormat<Shape>[format];
+  return k / s.unit * s.bytes;
+}
 
 struct Problem {
   const float* x;
   const uint8_t* w;
-  float* y;
-  int64_t rows, n, k, format, panel_bytes;
+  float* y;  // column 0 of the output's columns for this weight
+  int64_t rows, n, k, format, panel_bytes, ldy;
 };
 
-// Expand q4 groups covering k in [k0, k0 + kc) of one panel into out[kc][16].
-void expand_q4(const uint8_t* panel, int64_t k0, int64_t kc, float* out) {
-  const __m128i low = _mm_set1_epi8(0x0F);
-  for (int64_t g = k0 / kGroup; g < (k0 + kc) / kGroup; ++g) {
-    const uint8_t* record = panel + g * kQ4Record;
-    const float* d = reinterpret_cast<const float*>(record + kPanel * kGroup / 2);
-    const float* m = d + kPanel;
-    const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
-    const __m256 m0 = _mm256_loadu_ps(m), m1 = _mm256_loadu_ps(m + 8);
-    float* o = out + (g * kGroup - k0) * kPanel;
-    for (int64_t pair = 0; pair < kGroup / 2; ++pair) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(record + pair * kPanel));
-      const __m128i codes[2] = {_mm_and_si128(bytes, low), _mm_and_si128(_mm_srli_epi16(bytes, 4), low)};
-      for (int half = 0; half < 2; ++half) {  // k = 2 * pair + half
-        const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes[half]));
-        const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes[half], 8)));
-        float* row = o + (2 * pair + half) * kPanel;
-        // multiply, then add: the two roundings of the reference de-quantiser (d * q + m), bit for bit
-        _mm256_storeu_ps(row, _mm256_add_ps(_mm256_mul_ps(q0, d0), m0));
-        _mm256_storeu_ps(row + 8, _mm256_add_ps(_mm256_mul_ps(q1, d1), m1));
+#define PAGEDKV_INLINE inline __attribute__((always_inline))
+
+// The unit of a format at `unit`, one k at a time in ascending order: use(j, w) for k = j of the unit, with w
+// that k's 16 weights in two AVX2 registers (outputs 0-7, 8-15). The tiled path stores them, the AVX2
+// register kernels multiply them in place.
+template <int F, class Use>
+PAGEDKV_INLINE void decode_avx2(const uint8_t* unit, Use&& use) {
+  using S = Spec<F>;
+  if constexpr (F == kF32) {
+    const float* src = reinterpret_cast<const float*>(unit);
+    const __m256 w[2] = {_mm256_loadu_ps(src), _mm256_loadu_ps(src + 8)};
+    use(0, w);
+  } else if constexpr (F == kF16) {  // F16C converts exactly, subnormals included
+    const __m128i* src = reinterpret_cast<const __m128i*>(unit);
+    const __m256 w[2] = {_mm256_cvtph_ps(_mm_loadu_si128(src)), _mm256_cvtph_ps(_mm_loadu_si128(src + 1))};
+    use(0, w);
+  } else if constexpr (F == kBF16) {
+    const __m128i* src = reinterpret_cast<const __m128i*>(unit);
+    const __m256 w[2] = {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(src)), 16)),
+                         _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(src + 1)), 16))};
+    use(0, w);
+  } else {
+    const float* scales = reinterpret_cast<const float*>(unit + S::kScales);
+    const __m256 d[2] = {_mm256_loadu_ps(scales), _mm256_loadu_ps(scales + 8)};
+    __m256 m[2] = {};
+    if constexpr (S::kMin) m[0] = _mm256_loadu_ps(scales + kPanel), m[1] = _mm256_loadu_ps(scales + kPanel + 8);
+    const auto weight = [&](__m256i q, int h) __attribute__((always_inline)) {  // fused where d * q is exact
+      const __m256 qf = _mm256_cvtepi32_ps(q);
+      return S::kMin ? _mm256_fmadd_ps(qf, d[h], m[h]) : _mm256_mul_ps(qf, d[h]);
+    };
+    for (int64_t line = 0; line < S::kLines; ++line) {
+      // 8 outputs' code bytes at a time, each widened to 32 bits
+      const auto codes = [&](int h) __attribute__((always_inline)) {
+        return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(unit + line * kPanel + 8 * h));
+      };
+      if constexpr (S::kBits == 8) {
+        __m256 w[2];
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) w[h] = weight(_mm256_cvtepi8_epi32(codes(h)), h);
+        use(line, w);
+      } else {  // k = 2 line (low nibbles), 2 line + 1 (high)
+        const __m256i low = _mm256_set1_epi32(0x0F);
+        __m256 even[2], odd[2];
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const __m256i bytes = _mm256_cvtepu8_epi32(codes(h));
+          even[h] = weight(_mm256_and_si256(bytes, low), h);
+          odd[h] = weight(_mm256_srli_epi32(bytes, 4), h);
+        }
+        use(2 * line, even);
+        use(2 * line + 1, odd);
       }
     }
   }
 }
 
-// Expand q8 groups covering k in [k0, k0 + kc) of one panel into out[kc][16].
-void expand_q8(const uint8_t* panel, int64_t k0, int64_t kc, float* out) {
-  for (int64_t g = k0 / kGroup; g < (k0 + kc) / kGroup; ++g) {
-    const uint8_t* record = panel + g * kQ8Record;
-    const float* d = reinterpret_cast<const float*>(record + kPanel * kGroup);
-    const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
-    float* o = out + (g * kGroup - k0) * kPanel;
-    for (int64_t j = 0; j < kGroup; ++j) {
-      const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(record + j * kPanel));
-      const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
-      const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(codes, 8)));
-      _mm256_storeu_ps(o + j * kPanel, _mm256_mul_ps(q0, d0));
-      _mm256_storeu_ps(o + j * kPanel + 8, _mm256_mul_ps(q1, d1));
-    }
+// Expand the units covering k in [k0, k0 + kc) of one panel to fp32 out[kc][16].
+template <int F>
+void expand(const uint8_t* panel, int64_t k0, int64_t kc, float* out) {
+  using S = Spec<F>;
+  for (int64_t u = k0 / S::kUnit; u < (k0 + kc) / S::kUnit; ++u) {
+    float* o = out + (u * S::kUnit - k0) * kPanel;
+    decode_avx2<F>(panel + u * S::kBytes, [&](int64_t j, const __m256(&w)[2]) __attribute__((always_inline)) {
+      _mm256_storeu_ps(o + j * kPanel, w[0]);
+      _mm256_storeu_ps(o + j * kPanel + 8, w[1]);
+    });
   }
 }
+
+using ExpandFn = void (*)(const uint8_t*, int64_t, int64_t, float*);
+struct Expander {
+  ExpandFn fn;
+  template <int F>
+  static constexpr Expander of() {
+    if constexpr (F == kF32) return {nullptr};  // read in place
+    else return {expand<F>};
+  }
+};
 
 // fp32 weights [kc][16] of one panel for k in [k0, k0 + kc): in place for fp32, else expanded into buf.
 inline const float* panel_chunk(const Problem& p, int64_t panel, int64_t k0, int64_t kc, float* buf) {
   const uint8_t* base = p.w + panel * p.panel_bytes;
-  switch (p.format) {
-    case kQ4: expand_q4(base, k0, kc, buf); return buf;
-    case kQ8: expand_q8(base, k0, kc, buf); return buf;
-    default: return reinterpret_cast<const float*>(base) + k0 * kPanel;
-  }
+  if (p.format == kF32) return reinterpret_cast<const float*>(base) + k0 * kPanel;
+  kByFormat<Expander>[p.format].fn(base, k0, kc, buf);
+  return buf;
 }
 
 // y[MR rows][16 cols] (+)= x[MR rows][kc] . w[kc][16]. Each k chunk sums from zero in registers and is
@@ -163,18 +266,18 @@ void panels(const Problem& p, int64_t begin, int64_t end) {
         const float* w = panel_chunk(p, panel, k0, kc, buf.data());
         for (int64_t r = r0; r < r1; r += kTile) {
           const int64_t mr = std::min<int64_t>(kTile, r1 - r);
-          kTiles[mr](p.x + r * p.k + k0, p.k, w, kc, p.y + r * p.n + col, p.n, cols, k0 > 0);
+          kTiles[mr](p.x + r * p.k + k0, p.k, w, kc, p.y + r * p.ldy + col, p.ldy, cols, k0 > 0);
         }
       }
     }
   }
 }
 
-// ---- Few rows (decode): weights de-quantised in registers, a panel at a time ----------------------------
+// ---- Few rows (decode): weights decoded in registers, a panel at a time ---------------------------------
 //
 // At M = 1 the tiled path above does not stream the weights at memory speed. tile<1> has two dependency
 // chains (8 outputs each), and every FMA waits for the previous one's result (~4 cycles), so a core runs 2
-// FMAs per 4 cycles where it could run 8; a quantised chunk also makes a round trip through the buffer, paid
+// FMAs per 4 cycles where it could run 8; a coded chunk also makes a round trip through the buffer, paid
 // for a single row. Here, for every k, the weights of one panel are decoded straight into registers and feed
 // the accumulators of R <= 4 rows, and nothing goes to memory but y.
 //
@@ -187,16 +290,12 @@ void panels(const Problem& p, int64_t begin, int64_t end) {
 // 86-100 tokens/s. One stream per thread, read in order, is what the prefetchers follow best.
 //
 // The arithmetic is exactly tile<>'s, in the same order: per 256-k chunk, every output is a chain of FMAs
-// from zero over k ascending, and the chunk sums are added in chunk order; the weights are de-quantised as
-// expand_q4 / expand_q8 do. A row therefore gets the same bits whichever path, vector width or thread
-// computes it (tests/test_panel.py checks all of them against the tiled path). d * q is exact in fp32 (d is
-// an fp16 value, q has 4 or 8 bits), so `d * q + m` rounds once whether or not the compiler fuses the
-// multiply and the add (GCC does by default, here and in expand_q4): every path sees the same weights.
+// from zero over k ascending, and the chunk sums are added in chunk order; the weights are decoded as the
+// expansion does (the same operations, whatever the vector width). A row therefore gets the same bits
+// whichever path, vector width or thread computes it (tests/test_panel.py checks all of them against the
+// tiled path, and every format against an fp32 panel of its decoded weights).
 
 constexpr int kRows = 4;  // most rows per register kernel
-constexpr int64_t kQ4Scales = kPanel * kGroup / 2;  // byte offset of d (then m) in a q4 record
-constexpr int64_t kQ8Scales = kPanel * kGroup;      // byte offset of d in a q8 record
-#define PAGEDKV_INLINE inline __attribute__((always_inline))
 
 // Software prefetch. A panel is only a few KiB long (K = 576: 6.75 KiB of q4), so a thread's stream starts
 // anew every few microseconds; the hardware prefetchers lose time on every new stream and do not run far
@@ -205,14 +304,10 @@ constexpr int64_t kQ8Scales = kPanel * kGroup;      // byte offset of d in a q8 
 // reads next (a thread's panels are consecutive). A prefetch past the weight's end is dropped, never a fault.
 constexpr int64_t kAhead = 2048;  // bytes; 2-8 KiB measured alike, 1 KiB 25 % slower (too late)
 
-PAGEDKV_INLINE void prefetch(const uint8_t* panel, int64_t offset, int64_t bytes) {
+PAGEDKV_INLINE void prefetch(const uint8_t* unit, int64_t bytes) {
   for (int64_t line = 0; line < bytes; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(panel + offset + kAhead + line), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(unit + kAhead + line), _MM_HINT_T0);
 }
-
-// A unit of work is one k of an fp32 panel, or one group of 32 k of a quantised one.
-template <int Format>
-constexpr int64_t kUnit = Format == kF32 ? 1 : kGroup;
 
 // -- AVX2: a panel's 16 outputs are two registers, [0] (outputs 0-7) and [1] (8-15).
 
@@ -227,67 +322,30 @@ PAGEDKV_INLINE void fma_rows_avx2(const float* x, int64_t ldx, const __m256 (&w)
   }
 }
 
-// acc += the x rows' products with unit u of the panel at w.
-template <int Format, int R>
-PAGEDKV_INLINE void unit_avx2(const Problem& p, const uint8_t* w, const float* x, int64_t u, __m256 (&acc)[R][2]) {
-  if constexpr (Format == kF32) {
-    const int64_t offset = u * kPanel * sizeof(float);
-    prefetch(w, offset, kPanel * sizeof(float));
-    const float* src = reinterpret_cast<const float*>(w + offset);
-    const __m256 wk[2] = {_mm256_loadu_ps(src), _mm256_loadu_ps(src + 8)};
-    fma_rows_avx2<R>(x + u, p.k, wk, acc);
-  } else if constexpr (Format == kQ4) {
-    prefetch(w, u * kQ4Record, kQ4Record);
-    const uint8_t* codes = w + u * kQ4Record;
-    const float* scales = reinterpret_cast<const float*>(codes + kQ4Scales);
-    const __m256 d[2] = {_mm256_loadu_ps(scales), _mm256_loadu_ps(scales + 8)};
-    const __m256 m[2] = {_mm256_loadu_ps(scales + kPanel), _mm256_loadu_ps(scales + kPanel + 8)};
-    const __m256i low = _mm256_set1_epi32(0x0F);
-    for (int64_t pair = 0; pair < kGroup / 2; ++pair) {  // k = 2 pair (low nibbles), 2 pair + 1 (high)
-      __m256 even[2], odd[2];
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {  // 8 outputs' code bytes, each zero-extended to 32 bits
-        const __m256i bytes = _mm256_cvtepu8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + pair * kPanel + 8 * h)));
-        const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, low));
-        const __m256 q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
-        even[h] = _mm256_add_ps(_mm256_mul_ps(q0, d[h]), m[h]);
-        odd[h] = _mm256_add_ps(_mm256_mul_ps(q1, d[h]), m[h]);
-      }
-      fma_rows_avx2<R>(x + u * kGroup + 2 * pair, p.k, even, acc);
-      fma_rows_avx2<R>(x + u * kGroup + 2 * pair + 1, p.k, odd, acc);
-    }
-  } else {
-    prefetch(w, u * kQ8Record, kQ8Record);
-    const uint8_t* codes = w + u * kQ8Record;
-    const float* scales = reinterpret_cast<const float*>(codes + kQ8Scales);
-    const __m256 d[2] = {_mm256_loadu_ps(scales), _mm256_loadu_ps(scales + 8)};
-    for (int64_t i = 0; i < kGroup; ++i) {
-      __m256 wk[2];
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        const __m256i q =
-            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i * kPanel + 8 * h)));
-        wk[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(q), d[h]);
-      }
-      fma_rows_avx2<R>(x + u * kGroup + i, p.k, wk, acc);
-    }
-  }
-}
-
 // y[row, row + R) x [the panel's outputs] = x W^T, chunk after chunk. Every loop over r, c or h is unrolled:
 // the arrays then live in registers (an array indexed in a loop that is not, lives on the stack).
-template <int Format, int R>
+template <int F, int R>
 void rows_avx2(const Problem& p, int64_t row, int64_t panel) {
+  using S = Spec<F>;
   const uint8_t* w = p.w + panel * p.panel_bytes;
   const float* x = p.x + row * p.k;
+  const int64_t ldx = p.k;
   __m256 sum[R][2] = {};  // set by the first chunk (the zeros only quiet -Wmaybe-uninitialized)
   for (int64_t k0 = 0; k0 < p.k; k0 += kChunk) {
     __m256 acc[R][2];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t u = k0 / kUnit<Format>; u < std::min(k0 + kChunk, p.k) / kUnit<Format>; ++u)
-      unit_avx2<Format, R>(p, w, x, u, acc);
+    // Pointers that step, not indices: with u * kBytes and x + u * kUnit, GCC kept u on the stack in the
+    // AVX2-only build (a store-to-load chain per k of fp32: 51.7 us instead of 41.5 for 4 rows, N = K = 576).
+    const int64_t units = (std::min(k0 + kChunk, p.k) - k0) / S::kUnit;
+    const uint8_t* unit = w + k0 / S::kUnit * S::kBytes;
+    const float* xu = x + k0;
+    for (int64_t u = 0; u < units; ++u, unit += S::kBytes, xu += S::kUnit) {
+      prefetch(unit, S::kBytes);
+      decode_avx2<F>(unit, [&](int64_t j, const __m256(&wk)[2]) __attribute__((always_inline)) {
+        fma_rows_avx2<R>(xu + j, ldx, wk, acc);
+      });
+    }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)  // the chunk's sums join the total in chunk order, as tile<> adds them to y
 #pragma GCC unroll 2
@@ -296,7 +354,7 @@ void rows_avx2(const Problem& p, int64_t row, int64_t panel) {
   const int64_t cols = std::min(kPanel, p.n - panel * kPanel);  // < 16 in a last, padded panel
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
-    float* y = p.y + (row + r) * p.n + panel * kPanel;
+    float* y = p.y + (row + r) * p.ldy + panel * kPanel;
     if (cols == kPanel) {
       _mm256_storeu_ps(y, sum[r][0]);
       _mm256_storeu_ps(y + 8, sum[r][1]);
@@ -312,6 +370,38 @@ void rows_avx2(const Problem& p, int64_t row, int64_t panel) {
 // -- AVX-512: the same kernel, a whole panel (16 floats) in one register. Compiled for AVX-512F whatever the
 // build flags (the function attribute), and called only where the CPU has it (has_avx512).
 #define PAGEDKV_AVX512 __attribute__((target("avx512f")))
+#define PAGEDKV_AVX512_INLINE __attribute__((target("avx512f"), always_inline))
+
+// decode_avx2 with a panel's 16 weights in one register: use(j, w) for each k = j of the unit.
+template <int F, class Use>
+PAGEDKV_AVX512 PAGEDKV_INLINE void decode_avx512(const uint8_t* unit, Use&& use) {
+  using S = Spec<F>;
+  if constexpr (F == kF32) {
+    use(0, _mm512_loadu_ps(unit));
+  } else if constexpr (F == kF16) {
+    use(0, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit))));
+  } else if constexpr (F == kBF16) {
+    const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit)));
+    use(0, _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)));
+  } else {
+    const __m512 d = _mm512_loadu_ps(unit + S::kScales);
+    const __m512 m = S::kMin ? _mm512_loadu_ps(unit + S::kScales + kPanel * 4) : _mm512_setzero_ps();
+    const auto weight = [&](__m512i q) PAGEDKV_AVX512_INLINE {
+      const __m512 qf = _mm512_cvtepi32_ps(q);
+      return S::kMin ? _mm512_fmadd_ps(qf, d, m) : _mm512_mul_ps(qf, d);
+    };
+    for (int64_t line = 0; line < S::kLines; ++line) {
+      const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + line * kPanel));
+      if constexpr (S::kBits == 8) {
+        use(line, weight(_mm512_cvtepi8_epi32(codes)));
+      } else {
+        const __m512i bytes = _mm512_cvtepu8_epi32(codes);
+        use(2 * line, weight(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F))));
+        use(2 * line + 1, weight(_mm512_srli_epi32(bytes, 4)));
+      }
+    }
+  }
+}
 
 template <int R>
 PAGEDKV_AVX512 PAGEDKV_INLINE void fma_rows_avx512(const float* x, int64_t ldx, __m512 w, __m512 (&acc)[R]) {
@@ -319,54 +409,32 @@ PAGEDKV_AVX512 PAGEDKV_INLINE void fma_rows_avx512(const float* x, int64_t ldx, 
   for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx]), w, acc[r]);
 }
 
-template <int Format, int R>
-PAGEDKV_AVX512 PAGEDKV_INLINE void unit_avx512(const Problem& p, const uint8_t* w, const float* x, int64_t u,
-                                               __m512 (&acc)[R]) {
-  if constexpr (Format == kF32) {
-    const int64_t offset = u * kPanel * sizeof(float);
-    prefetch(w, offset, kPanel * sizeof(float));
-    fma_rows_avx512<R>(x + u, p.k, _mm512_loadu_ps(w + offset), acc);
-  } else if constexpr (Format == kQ4) {
-    prefetch(w, u * kQ4Record, kQ4Record);
-    const uint8_t* codes = w + u * kQ4Record;
-    const __m512 d = _mm512_loadu_ps(codes + kQ4Scales), m = _mm512_loadu_ps(codes + kQ4Scales + kPanel * 4);
-    const __m512i low = _mm512_set1_epi32(0x0F);
-    for (int64_t pair = 0; pair < kGroup / 2; ++pair) {
-      const __m512i bytes =
-          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + pair * kPanel)));
-      const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low));
-      const __m512 q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
-      fma_rows_avx512<R>(x + u * kGroup + 2 * pair, p.k, _mm512_add_ps(_mm512_mul_ps(q0, d), m), acc);
-      fma_rows_avx512<R>(x + u * kGroup + 2 * pair + 1, p.k, _mm512_add_ps(_mm512_mul_ps(q1, d), m), acc);
-    }
-  } else {
-    prefetch(w, u * kQ8Record, kQ8Record);
-    const uint8_t* codes = w + u * kQ8Record;
-    const __m512 d = _mm512_loadu_ps(codes + kQ8Scales);
-    for (int64_t i = 0; i < kGroup; ++i) {
-      const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i * kPanel)));
-      fma_rows_avx512<R>(x + u * kGroup + i, p.k, _mm512_mul_ps(_mm512_cvtepi32_ps(q), d), acc);
-    }
-  }
-}
-
-template <int Format, int R>
+template <int F, int R>
 PAGEDKV_AVX512 void rows_avx512(const Problem& p, int64_t row, int64_t panel) {
+  using S = Spec<F>;
   const uint8_t* w = p.w + panel * p.panel_bytes;
   const float* x = p.x + row * p.k;
+  const int64_t ldx = p.k;
   __m512 sum[R] = {};
   for (int64_t k0 = 0; k0 < p.k; k0 += kChunk) {
     __m512 acc[R];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t u = k0 / kUnit<Format>; u < std::min(k0 + kChunk, p.k) / kUnit<Format>; ++u)
-      unit_avx512<Format, R>(p, w, x, u, acc);
+    const int64_t units = (std::min(k0 + kChunk, p.k) - k0) / S::kUnit;
+    const uint8_t* unit = w + k0 / S::kUnit * S::kBytes;
+    const float* xu = x + k0;
+    for (int64_t u = 0; u < units; ++u, unit += S::kBytes, xu += S::kUnit) {
+      prefetch(unit, S::kBytes);
+      decode_avx512<F>(unit, [&](int64_t j, __m512 wk) PAGEDKV_AVX512_INLINE {
+        fma_rows_avx512<R>(xu + j, ldx, wk, acc);
+      });
+    }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) sum[r] = k0 == 0 ? acc[r] : _mm512_add_ps(sum[r], acc[r]);
   }
   const int64_t cols = std::min(kPanel, p.n - panel * kPanel);
 #pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(p.y + (row + r) * p.n + panel * kPanel, (1u << cols) - 1, sum[r]);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(p.y + (row + r) * p.ldy + panel * kPanel, (1u << cols) - 1, sum[r]);
 }
 
 bool has_avx512() {
@@ -377,17 +445,19 @@ bool has_avx512() {
   return yes;
 }
 
-// The register kernels, one table per instruction set, by [format][R - 1].
+// The register kernels of one instruction set for one format, by R - 1.
 using RowsFn = void (*)(const Problem&, int64_t, int64_t);
-using RowsKernels = std::array<std::array<RowsFn, kRows>, 3>;
-
-template <int F>
-constexpr std::array<RowsFn, kRows> kAvx2ByRows{rows_avx2<F, 1>, rows_avx2<F, 2>, rows_avx2<F, 3>, rows_avx2<F, 4>};
-template <int F>
-constexpr std::array<RowsFn, kRows> kAvx512ByRows{rows_avx512<F, 1>, rows_avx512<F, 2>, rows_avx512<F, 3>,
-                                                  rows_avx512<F, 4>};
-constexpr RowsKernels kAvx2Rows{kAvx2ByRows<kF32>, kAvx2ByRows<kQ4>, kAvx2ByRows<kQ8>};
-constexpr RowsKernels kAvx512Rows{kAvx512ByRows<kF32>, kAvx512ByRows<kQ4>, kAvx512ByRows<kQ8>};
+using RowsKernels = std::array<RowsFn, kRows>;
+struct Avx2Rows {
+  template <int F>
+  static constexpr RowsKernels of() { return {rows_avx2<F, 1>, rows_avx2<F, 2>, rows_avx2<F, 3>, rows_avx2<F, 4>}; }
+};
+struct Avx512Rows {
+  template <int F>
+  static constexpr RowsKernels of() {
+    return {rows_avx512<F, 1>, rows_avx512<F, 2>, rows_avx512<F, 3>, rows_avx512<F, 4>};
+  }
+};
 
 // Panels [begin, end) for every x row. Rows go in as few groups of at most kRows as cover them, of even
 // sizes (6 rows: 3 + 3, not 4 + 2: every group keeps enough chains).
@@ -396,14 +466,14 @@ void rows_panels(const Problem& p, int64_t begin, int64_t end, const RowsKernels
   for (int64_t panel = begin; panel < end; ++panel) {
     for (int64_t row = 0; row < p.rows; row += most) {
       const int64_t rows = std::min(most, p.rows - row);
-      kernels[p.format][rows - 1](p, row, panel);
+      kernels[rows - 1](p, row, panel);
     }
   }
 }
 
-// ---- The op ---------------------------------------------------------------------------------------------
+// ---- The ops --------------------------------------------------------------------------------------------
 
-// How to compute: kAuto picks; the others are for tests and benchmarks (torch.ops.pagedkv._panel_linear_path).
+// How to compute: kAuto picks; the others are for tests and benchmarks (the private _panel_linear_*path ops).
 enum Path : int64_t { kAuto = 0, kTiled = 1, kRowsAvx2 = 2, kRowsAvx512 = 3 };
 
 // Up to this many rows the register kernels run (in groups of at most kRows, each decoding the weights
@@ -411,41 +481,56 @@ enum Path : int64_t { kAuto = 0, kTiled = 1, kRowsAvx2 = 2, kRowsAvx512 = 3 };
 // 8 rows they still take 0.4x (AVX-512) and 0.6x (AVX2) of the tiled path's time; at 16 rows AVX2 is even.
 constexpr int64_t kRegisterRows = 8;
 
-int64_t panel_bytes(int64_t format, int64_t k) {
-  switch (format) {
-    case kQ4: return (k / kGroup) * kQ4Record;
-    case kQ8: return (k / kGroup) * kQ8Record;
-    default: return k * kPanel * static_cast<int64_t>(sizeof(float));
-  }
+// The packed weight's size for N x K in `format`; checks the format and K (`op` names the op in messages).
+int64_t checked_bytes(const char* op, const at::Tensor& packed, int64_t n, int64_t k, int64_t format) {
+  TORCH_CHECK_VALUE(format >= 0 && format < kFormats, op, ": unknown format ", format);
+  const int64_t unit = kByFormat<Shape>[format].unit;
+  TORCH_CHECK_VALUE(n >= 0 && k >= 0 && k % unit == 0, op, ": format ", format, " needs K a multiple of ", unit,
+                    ", got N = ", n, ", K = ", k);
+  const int64_t num_panels = (n + kPanel - 1) / kPanel, bytes = panel_bytes(format, k);
+  TORCH_CHECK_VALUE(packed.is_contiguous() && packed.nbytes() == static_cast<size_t>(num_panels * bytes), op,
+                    ": packed weight has ", packed.nbytes(), " bytes, expected ", num_panels * bytes, " for N = ", n,
+                    ", K = ", k, ", format ", format);
+  return bytes;
 }
 
-at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, int64_t format, int64_t path) {
-  TORCH_CHECK(format == kF32 || format == kQ4 || format == kQ8, "panel_linear: unknown format ", format);
+// y[:, col : col + n] = x W^T, for a contiguous fp32 y of any width; its other columns are not touched.
+void into(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, int64_t format, at::Tensor& y,
+          int64_t col, int64_t path) {
+  const int64_t bytes = checked_bytes("panel_linear", packed, n, k, format);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "panel_linear: x must be a 2-D float32 tensor");
   TORCH_CHECK(x.size(1) == k, "panel_linear: x has ", x.size(1), " columns but the weight has K = ", k);
-  TORCH_CHECK(format == kF32 || k % kGroup == 0, "panel_linear: quantised K must be a multiple of 32, got ", k);
+  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kFloat && y.is_contiguous() && y.size(0) == x.size(0),
+              "panel_linear: y must be a contiguous float32 [", x.size(0), ", N] tensor");
+  TORCH_CHECK(col >= 0 && col + n <= y.size(1), "panel_linear: columns [", col, ", ", col + n,
+              ") do not fit y's ", y.size(1));
   TORCH_CHECK(path >= kAuto && path <= kRowsAvx512, "panel_linear: unknown path ", path);
   TORCH_CHECK(path != kRowsAvx512 || has_avx512(), "panel_linear: this CPU has no AVX-512F");
-  const int64_t num_panels = (n + kPanel - 1) / kPanel, bytes = panel_bytes(format, k);
-  TORCH_CHECK(packed.is_contiguous() && packed.nbytes() == static_cast<size_t>(num_panels * bytes),
-              "panel_linear: packed weight has ", packed.nbytes(), " bytes, expected ", num_panels * bytes,
-              " for N = ", n, ", K = ", k, ", format ", format);
+  at::assert_no_overlap(y, x);
+  if (x.size(0) == 0 || n == 0) return;
+  if (k == 0) {
+    y.narrow(1, col, n).zero_();
+    return;
+  }
   const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({x.size(0), n}, x.options());
-  if (x.size(0) == 0 || n == 0) return y;
-  if (k == 0) return y.zero_();
-  const Problem p{xc.data_ptr<float>(), static_cast<const uint8_t*>(packed.data_ptr()), y.data_ptr<float>(),
-                  x.size(0), n, k, format, bytes};
+  const Problem p{xc.data_ptr<float>(), static_cast<const uint8_t*>(packed.data_ptr()), y.data_ptr<float>() + col,
+                  x.size(0), n, k, format, bytes, y.size(1)};
   if (path == kAuto) path = p.rows > kRegisterRows ? kTiled : has_avx512() ? kRowsAvx512 : kRowsAvx2;
-  const RowsKernels& kernels = path == kRowsAvx512 ? kAvx512Rows : kAvx2Rows;
+  const RowsKernels& kernels = path == kRowsAvx512 ? kByFormat<Avx512Rows>[format] : kByFormat<Avx2Rows>[format];
   // Grain of 4 panels (64 outputs): the 576-output layers still split across threads.
-  at::parallel_for(0, num_panels, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, (n + kPanel - 1) / kPanel, 4, [&](int64_t begin, int64_t end) {
     if (path == kTiled) {
       panels(p, begin, end);
     } else {
       rows_panels(p, begin, end, kernels);
     }
   });
+}
+
+at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, int64_t format, int64_t path) {
+  TORCH_CHECK(x.dim() == 2, "panel_linear: x must be a 2-D float32 tensor");
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  into(x, packed, n, k, format, y, 0, path);
   return y;
 }
 
@@ -453,50 +538,68 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
   return run(x, packed, n, k, format, kAuto);
 }
 
+void panel_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, int64_t format,
+                       at::Tensor& y, int64_t col) {
+  into(x, packed, n, k, format, y, col, kAuto);
+}
+
+// Output `lane` of a panel as fp32 row[K], decoded as the kernels decode it (the same operations, scalar).
+template <int F>
+void panel_row(const uint8_t* panel, int64_t lane, int64_t k, float* row) {
+  using S = Spec<F>;
+  const auto load = [](auto value, const uint8_t* at) {
+    std::memcpy(&value, at, sizeof(value));
+    return value;
+  };
+  for (int64_t u = 0; u < k / S::kUnit; ++u) {
+    const uint8_t* unit = panel + u * S::kBytes;
+    if constexpr (F == kF32) {
+      row[u] = load(float{}, unit + 4 * lane);
+    } else if constexpr (F == kF16) {
+      row[u] = _cvtsh_ss(load(uint16_t{}, unit + 2 * lane));
+    } else if constexpr (F == kBF16) {
+      const uint32_t bits = static_cast<uint32_t>(load(uint16_t{}, unit + 2 * lane)) << 16;
+      row[u] = load(float{}, reinterpret_cast<const uint8_t*>(&bits));
+    } else {
+      const float d = load(float{}, unit + S::kScales + 4 * lane);
+      for (int64_t j = 0; j < S::kUnit; ++j) {
+        float q;
+        if constexpr (S::kBits == 8) {
+          q = static_cast<int8_t>(unit[j * kPanel + lane]);
+        } else {
+          const uint8_t byte = unit[j / 2 * kPanel + lane];
+          q = j % 2 == 0 ? byte & 0x0F : byte >> 4;
+        }
+        if constexpr (S::kMin) {
+          row[u * S::kUnit + j] = std::fma(q, d, load(float{}, unit + S::kScales + 4 * (kPanel + lane)));
+        } else {
+          row[u * S::kUnit + j] = q * d;
+        }
+      }
+    }
+  }
+}
+
+struct RowDecoder {
+  void (*fn)(const uint8_t*, int64_t, int64_t, float*);
+  template <int F>
+  static constexpr RowDecoder of() { return {panel_row<F>}; }
+};
+
 // Rows `ids` of a packed weight as fp32 [len(ids), K]: the embedding lookup of a tied LM head whose panel holds
-// the only copy of the vocabulary matrix. Exact: d * q is exact in fp32 (an fp16 d, a 4- or 8-bit q), so
-// d * q + m rounds once, fused or not -- the weights that were packed, bit for bit.
+// the only copy of the vocabulary matrix; the weights that were packed, bit for bit.
 at::Tensor panel_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t n, int64_t k, int64_t format) {
-  TORCH_CHECK_VALUE(format == kF32 || format == kQ4 || format == kQ8, "panel_rows: unknown format ", format);
+  const int64_t bytes = checked_bytes("panel_rows", packed, n, k, format);
   TORCH_CHECK_VALUE(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(),
                     "panel_rows: ids must be a contiguous int64 [T] tensor");
-  const int64_t bytes = panel_bytes(format, k), num_panels = (n + kPanel - 1) / kPanel;
-  TORCH_CHECK_VALUE(packed.is_contiguous() && packed.nbytes() == static_cast<size_t>(num_panels * bytes),
-                    "panel_rows: packed weight has ", packed.nbytes(), " bytes, expected ", num_panels * bytes);
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t t = 0; t < ids.numel(); ++t)
     TORCH_CHECK_VALUE(id[t] >= 0 && id[t] < n, "panel_rows: ids[", t, "] = ", id[t], " is outside [0, ", n, ")");
   at::Tensor out = at::empty({ids.numel(), k}, ids.options().dtype(at::kFloat));
   const uint8_t* w = static_cast<const uint8_t*>(packed.data_ptr());
-  const auto at_float = [](const uint8_t* p, int64_t i) {
-    float f;
-    std::memcpy(&f, p + i * sizeof(float), sizeof(float));
-    return f;
-  };
-  for (int64_t t = 0; t < ids.numel(); ++t) {
-    const uint8_t* base = w + (id[t] / kPanel) * bytes;
-    const int64_t lane = id[t] % kPanel;
-    float* row = out.data_ptr<float>() + t * k;
-    if (format == kF32) {
-      for (int64_t i = 0; i < k; ++i) row[i] = at_float(base, i * kPanel + lane);
-      continue;
-    }
-    for (int64_t g = 0; g < k / kGroup; ++g) {
-      const uint8_t* rec = base + g * (format == kQ4 ? kQ4Record : kQ8Record);
-      float* o = row + g * kGroup;
-      if (format == kQ4) {
-        const float d = at_float(rec + kPanel * kGroup / 2, lane), m = at_float(rec + kPanel * kGroup / 2, kPanel + lane);
-        for (int64_t pair = 0; pair < kGroup / 2; ++pair) {
-          const uint8_t byte = rec[pair * kPanel + lane];
-          o[2 * pair] = d * static_cast<float>(byte & 0x0F) + m;
-          o[2 * pair + 1] = d * static_cast<float>(byte >> 4) + m;
-        }
-      } else {
-        const float d = at_float(rec + kPanel * kGroup, lane);
-        for (int64_t i = 0; i < kGroup; ++i) o[i] = d * static_cast<float>(static_cast<int8_t>(rec[i * kPanel + lane]));
-      }
-    }
-  }
+  const auto decode = kByFormat<RowDecoder>[format].fn;
+  for (int64_t t = 0; t < ids.numel(); ++t)
+    decode(w + id[t] / kPanel * bytes, id[t] % kPanel, k, out.data_ptr<float>() + t * k);
   return out;
 }
 
@@ -504,7 +607,13 @@ at::Tensor panel_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t n
 
 TORCH_LIBRARY_FRAGMENT(pagedkv, lib) {
   lib.def("panel_linear(Tensor x, Tensor packed, int n, int k, int format) -> Tensor", &panel_linear);
+  // y[:, col : col + n] = x W^T into an existing contiguous fp32 y: one call per part of a fused layer.
+  lib.def("panel_linear_into(Tensor x, Tensor packed, int n, int k, int format, Tensor(a!) y, int col) -> ()",
+          &panel_linear_into);
   lib.def("panel_rows(Tensor packed, Tensor ids, int n, int k, int format) -> Tensor", &panel_rows);
   // Private: the same with the path forced (0 auto, 1 tiled, 2 AVX2 registers, 3 AVX-512 registers).
   lib.def("_panel_linear_path(Tensor x, Tensor packed, int n, int k, int format, int path) -> Tensor", &run);
+  lib.def("_panel_linear_into_path(Tensor x, Tensor packed, int n, int k, int format, Tensor(a!) y, int col, "
+          "int path) -> ()",
+          &into);
 }

@@ -1,17 +1,21 @@
 """Panel-packed linear weights and the C++ GEMM that reads them (``csrc/panel_linear.cpp``).
 
 A CPU GEMM's inner loop broadcasts one activation against the weights of 16 outputs at once, so it wants
-those 16 weights side by side for every k. :func:`pack` lays a weight ``[n, k]`` out that way once, at load
-time, in one of three formats:
+those 16 weights side by side for every k. A weight ``[n, k]`` is laid out that way once, at load time, in
+one of these formats (the C++ header has the byte layouts):
 
-- ``"fp32"``: the weights themselves, reordered (a second copy of them, 4 bytes a weight).
-- ``"q4"``: the GGUF file's Q4_1 codes (``w = d * q + m`` per 32 weights) -- 0.75 bytes a weight instead of 4.
-- ``"q8"``: Q8_0 codes (``w = d * q``), which is how the default model stores its tied embedding / LM
-  head -- 1.125 bytes a weight.
+- ``"fp32"``: the weights themselves, reordered (4 bytes a weight).
+- ``"f16"``, ``"bf16"``: half-precision bits, widened exactly to fp32 in the kernel (2 bytes a weight).
+- quantised, ``w = d * q + m`` or ``w = d * q`` per group of G weights of an output, with fp32 ``d`` (and
+  ``m``) and integer codes ``q`` (:data:`CODED`): ``"q4"`` (4-bit codes, G = 32, with a min: Q4_0, Q4_1, Q4_K;
+  0.75 bytes a weight), ``"q8"`` (int8, G = 32: Q5_0, Q8_0; 1.125), ``"q8m"`` (int8 with a min: Q5_1, Q5_K;
+  1.25), ``"q4g16"`` (4-bit with a min, G = 16: Q2_K; 1), ``"q8g16"`` (int8, G = 16: Q3_K, Q6_K; 1.25).
 
-The codes are recovered from the fp32 weights by :mod:`pagedkv.model.codes` and reproduce the checkpoint's
-weights bit for bit, not an approximation of them; a layer whose weights are not so coded stays fp32. Every
-output is summed in one fixed order, so the result of a row does not depend on the batch it runs in.
+:func:`pack` packs an fp32 weight as fp32, or as q4 / q8 where :mod:`pagedkv.model.codes` recovers its exact
+codes; :func:`pack_codes` and :func:`pack_half` pack codes and half-precision bits directly (a GGUF file's
+own are packed by :mod:`pagedkv.model.gguf_blocks`). Every format computes with exactly its weights in fp32,
+and every output is summed in one fixed order, so the result of a row does not depend on the batch it runs
+in, nor on the format that holds the same weights.
 
 The kernel is built on first use, in its own library (see :mod:`pagedkv.kernels`): it needs AVX2.
 """
@@ -19,6 +23,7 @@ The kernel is built on first use, in its own library (see :mod:`pagedkv.kernels`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -27,7 +32,25 @@ from pagedkv import kernels
 from pagedkv.model import codes
 
 PANEL = 16
-FORMATS = {"fp32": 0, "q4": 1, "q8": 2}
+FORMATS = {"fp32": 0, "q4": 1, "q8": 2, "q8m": 3, "q4g16": 4, "q8g16": 5, "f16": 6, "bf16": 7}
+
+
+class Coded(NamedTuple):
+    """A quantised format: ``bits``-bit codes (4: unsigned 0..15; 8: int8), ``group`` k per d (and m)."""
+
+    bits: int
+    group: int
+    has_min: bool
+
+
+CODED = {
+    "q4": Coded(4, 32, True),
+    "q8": Coded(8, 32, False),
+    "q8m": Coded(8, 32, True),
+    "q4g16": Coded(4, 16, True),
+    "q8g16": Coded(8, 16, False),
+}
+HALF = {"f16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass(slots=True)
@@ -45,9 +68,10 @@ class PanelWeight:
 
 
 def pack(weight: Tensor, format: str) -> PanelWeight | None:
-    """Pack an fp32 weight ``[n, k]``; None if ``format`` is a code that does not reproduce it exactly."""
-    if format not in FORMATS:
-        raise ValueError(f"format must be one of {tuple(FORMATS)}, got {format!r}")
+    """Pack an fp32 weight ``[n, k]`` as ``"fp32"``, ``"q4"`` or ``"q8"``; None if ``format`` is a code that does
+    not reproduce it exactly."""
+    if format not in ("fp32", "q4", "q8"):
+        raise ValueError(f"format must be fp32, q4 or q8 (pack_codes / pack_half pack the others), got {format!r}")
     if weight.dim() != 2 or weight.dtype != torch.float32:
         raise ValueError(f"need an fp32 weight [n, k], got {weight.dtype} {tuple(weight.shape)}")
     n, k = weight.shape
@@ -57,14 +81,56 @@ def pack(weight: Tensor, format: str) -> PanelWeight | None:
     coded = codes.encode_q4(weight) if format == "q4" else codes.encode_q8(weight)
     if coded is None:
         return None
-    q, *scales = coded
-    groups = k // codes.GROUP
-    by_k = _by_group(q.view(n, groups, codes.GROUP), n, groups)  # [panels, groups, 32 k, 16 outputs]
-    if format == "q4":  # two k per byte: even k in the low nibble, odd k in the high one
+    q, d, *m = coded
+    return pack_codes(q, d, m[0] if m else None, format)
+
+
+def pack_codes(q: Tensor, d: Tensor, m: Tensor | None, format: str) -> PanelWeight:
+    """The weight ``w[i, j] = d[i, j // G] * q[i, j] (+ m[i, j // G])`` packed in the quantised ``format``.
+
+    ``q``: integer codes ``[n, k]`` (0..15 for 4-bit formats, -128..127 for 8-bit ones); ``d`` and ``m``: fp32
+    ``[n, k // G]``, ``m`` given exactly when the format has a min. With a min, ``d * q`` must be exact in fp32
+    (see the C++ header), as it is for every GGUF type packed so.
+    """
+    if format not in CODED:
+        raise ValueError(f"format must be one of {tuple(CODED)}, got {format!r}")
+    bits, group, has_min = CODED[format]
+    if q.dim() != 2 or q.dtype.is_floating_point or q.dtype.is_complex or q.shape[1] % group:
+        raise ValueError(
+            f"{format} needs integer codes [n, k] with k a multiple of {group}, got {q.dtype} {tuple(q.shape)}"
+        )
+    n, k = q.shape
+    groups = k // group
+    scales = [d] + ([m] if has_min else [])
+    if (m is not None) != has_min or any(s.dtype != torch.float32 or s.shape != (n, groups) for s in scales):
+        raise ValueError(
+            f"{format} needs fp32 d{' and m' if has_min else ' and no m'} of shape {(n, groups)}, got "
+            + ", ".join(f"{s.dtype} {tuple(s.shape)}" for s in (d, m) if s is not None)
+        )
+    low, high = (0, 15) if bits == 4 else (-128, 127)
+    if q.numel() and not (low <= q.min().item() and q.max().item() <= high):
+        raise ValueError(f"{format} codes must lie in [{low}, {high}]")
+    q = q.to(torch.uint8 if bits == 4 else torch.int8)
+    by_k = _by_group(q.view(n, groups, group), n, groups)  # [panels, groups, G k, 16 outputs]
+    if bits == 4:  # two k per byte: even k in the low nibble, odd k in the high one
         by_k = by_k[:, :, 0::2] | (by_k[:, :, 1::2] << 4)
     parts = [by_k.contiguous().view(torch.uint8).flatten(2)]
     parts += [_by_group(s.unsqueeze(-1), n, groups).contiguous().view(torch.uint8).flatten(2) for s in scales]
     return PanelWeight(torch.cat(parts, dim=-1).contiguous(), n, k, format)
+
+
+def pack_half(bits: Tensor, format: str) -> PanelWeight:
+    """A weight ``[n, k]`` of half-precision values packed as ``"f16"`` or ``"bf16"``: ``bits`` are the values
+    (float16 / bfloat16, matching ``format``) or their bit patterns (int16 / uint16)."""
+    if format not in HALF:
+        raise ValueError(f"format must be one of {tuple(HALF)}, got {format!r}")
+    if bits.dim() != 2 or bits.dtype not in (torch.int16, torch.uint16, HALF[format]):
+        raise ValueError(
+            f"{format} needs [n, k] int16, uint16 or {HALF[format]} bits, got {bits.dtype} {tuple(bits.shape)}"
+        )
+    n, k = bits.shape
+    panels = _pad_rows(bits.detach().contiguous().view(torch.int16), n).view(-1, PANEL, k).transpose(1, 2)
+    return PanelWeight(panels.contiguous().view(torch.uint8), n, k, format)
 
 
 def _pad_rows(t: Tensor, n: int) -> Tensor:
@@ -93,3 +159,12 @@ def panel_linear(x: Tensor, weight: PanelWeight) -> Tensor:
         return kernels.panel_linear(x, weight.packed, weight.n, weight.k, FORMATS[weight.format])
     y = kernels.panel_linear(x.reshape(-1, weight.k), weight.packed, weight.n, weight.k, FORMATS[weight.format])
     return y.view(*x.shape[:-1], weight.n)
+
+
+def panel_linear_into(x: Tensor, weight: PanelWeight, y: Tensor, col: int) -> None:
+    """``y[:, col : col + n] = x @ W.T`` for fp32 ``x [M, k]`` and a contiguous fp32 ``y [M, N]``; y's other
+    columns are left as they are. A fused layer (q|k|v) whose parts are packed apart, in different formats
+    even, runs one call per part into one output; each column gets the bits :func:`panel_linear` gives it."""
+    if x.shape[-1] != weight.k:
+        raise ValueError(f"x has {x.shape[-1]} features but the weight expects {weight.k}")
+    kernels.panel_linear_into(x, weight.packed, weight.n, weight.k, FORMATS[weight.format], y, col)
