@@ -111,7 +111,8 @@ def use_compiled(requested: bool | None, source: str, library: CompiledLibrary) 
 
 portable = CompiledLibrary(
     "pagedkv_ops",
-    [_CSRC / name for name in ("paged_attention.cpp", "rms_norm.cpp", "pointwise.cpp", "decoder_stack.cpp")],
+    [_CSRC / name for name in ("paged_attention.cpp", "rms_norm.cpp", "pointwise.cpp", "decoder_stack.cpp",
+                               "gguf_blocks.cpp")],
     [_CSRC / "simd.h"],
     what="compiled ops (paged attention, RMSNorm, SiLU, RoPE)",
     fallback="torch's ops run instead (attention_backend='gather', kernels=False skip the attempt)",
