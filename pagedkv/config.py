@@ -32,10 +32,12 @@ class EngineConfig:
     """Engine settings; ``LLM(**kwargs)`` and the CLI fill this."""
 
     model: str | None = _option(None, "HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    weight_format: str = _option(
-        "float32",
-        "weights of the linear layers: float32; bfloat16 (pays on CPUs with bf16 GEMMs); gguf: fp32 math on the "
-        "GGUF file's own Q4_1 / Q8_0 codes, exactly the same weights in a quarter of the bytes (needs kernels)",
+    weight_format: str | None = _option(
+        None,
+        "weights of the linear layers: gguf (the default for a .gguf file): fp32 math on the file's own codes "
+        "(every common llama.cpp type), exactly the weights ggml de-quantises, packed from the mapped file; "
+        "float32 (the default otherwise; for a .gguf file: de-quantised once, in memory, the reference); "
+        "bfloat16 (pays on CPUs with bf16 GEMMs)",
         choices=tuple(WEIGHT_FORMATS),
     )
     block_size: int = _option(16, "tokens per KV block (a power of two)")
@@ -96,8 +98,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self._map_deprecated()
-        if self.weight_format not in WEIGHT_FORMATS:
-            raise ValueError(f"weight_format must be one of {tuple(WEIGHT_FORMATS)}, got {self.weight_format!r}")
+        if self.weight_format is not None and self.weight_format not in WEIGHT_FORMATS:
+            raise ValueError(
+                f"weight_format must be one of {tuple(WEIGHT_FORMATS)} or None (by the model file), "
+                f"got {self.weight_format!r}"
+            )
         if self.kv_cache_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -47,8 +47,8 @@ def test_bad_values_are_refused(options, message):
     [
         ({"dtype": "q4"}, "gguf", None),
         ({"dtype": "bfloat16"}, "bfloat16", None),
-        ({"linear_backend": "panel"}, "float32", True),
-        ({"linear_backend": "torch"}, "float32", False),
+        ({"linear_backend": "panel"}, None, True),  # weight_format None: by the model file
+        ({"linear_backend": "torch"}, None, False),
         ({"dtype": "q4", "weight_format": "gguf", "linear_backend": "torch", "kernels": False}, "gguf", False),
     ],
 )

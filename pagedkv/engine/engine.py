@@ -35,7 +35,7 @@ from pagedkv.kv.disk_tier import DiskTier
 from pagedkv.kv.events import KVEventBatch, KVEventPublisher, KVEventRecorder
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.ops import KV_DTYPES
-from pagedkv.model.loader import load_model, model_directory
+from pagedkv.model.loader import default_model_path, load_model, model_directory
 from pagedkv.parallel import workers
 from pagedkv.parallel.group import SINGLE
 from pagedkv.sampler import Sampler, make_generator
@@ -54,14 +54,15 @@ class LLMEngine:
         self.workers: workers.Workers | None = None  # the other tensor-parallel ranks
         tp = SINGLE
         if config.tensor_parallel_size > 1:
-            directory = model_directory(config.model)
-            self.workers = workers.start(config, str(directory))
+            model_directory(config.model)  # a GGUF file's metadata converted once, here, not by every rank
+            self.workers = workers.start(config, config.model or default_model_path())
             weakref.finalize(self, self.workers.close)
             tp = self.workers.tp
         loaded = load_model(config.model, config.weight_format, self.attention, self.kernels, tp)
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config
         self.model_path = loaded.path
+        self.weight_format = loaded.weight_format
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         model = loaded.model
@@ -110,7 +111,7 @@ class LLMEngine:
         fingerprint, covers = engine_fingerprint(
             self.model_path,
             directory / "models",
-            weight_format=config.weight_format,
+            weight_format=self.weight_format,
             kernels=self.kernels,
             gemm=self.kernels and kernels.gemm.loaded,
             attention=self.attention.name,

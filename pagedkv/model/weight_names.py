@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from pagedkv.model.gguf_file import GGUFTensor
+from pagedkv.parallel.group import TensorParallel
+
 if TYPE_CHECKING:
     from pagedkv.model.llama import LlamaForCausalLM
 
@@ -23,13 +26,13 @@ WeightLoader = Callable[[Tensor], None]
 def weight_targets(model: LlamaForCausalLM) -> dict[str, WeightLoader]:
     """HF parameter name -> function that copies that tensor into its (possibly fused) place."""
     spec, tp = model.spec, model.tp
-    vocab = _sharded(lambda t: tp.shard_vocab(t, spec.vocab_size))
+    vocab = _sharded(lambda t: _vocab_shard(tp, t, spec.vocab_size))
     targets: dict[str, WeightLoader] = {
-        "model.embed_tokens.weight": vocab(_copier(model.embed_tokens)),
+        "model.embed_tokens.weight": vocab(partial(_load_embedding, model)),
         "model.norm.weight": _copier(model.norm.weight),
     }
     if not spec.tie_word_embeddings:
-        targets["lm_head.weight"] = vocab(_copier(model.lm_head.weight))
+        targets["lm_head.weight"] = vocab(partial(model.lm_head.load_part, "weight", 0))
     columns, rows = _sharded(lambda t: tp.shard(t, 0)), _sharded(lambda t: tp.shard(t, 1))
     once = _sharded(lambda t: t if tp.is_driver else torch.zeros_like(t))  # a row-parallel bias: added once
     if tp.exact:  # o_proj and down_proj split by output rows, like the column-parallel layers
@@ -59,6 +62,23 @@ def weight_targets(model: LlamaForCausalLM) -> dict[str, WeightLoader]:
             targets[prefix + "self_attn.q_norm.weight"] = _copier(q_rows, broadcast=True)
             targets[prefix + "self_attn.k_norm.weight"] = _copier(k_rows, broadcast=True)
     return targets
+
+
+def _load_embedding(model: LlamaForCausalLM, tensor: Tensor | GGUFTensor) -> None:
+    if isinstance(tensor, GGUFTensor):
+        model.use_file_embedding(tensor)
+    else:
+        _copier(model.embed_tokens)(tensor)
+
+
+def _vocab_shard(tp: TensorParallel, tensor: Tensor | GGUFTensor, vocab_size: int) -> Tensor | GGUFTensor:
+    """This rank's rows of a vocabulary-sized matrix, a GGUF file's blocks included (padded with zero blocks)."""
+    if not isinstance(tensor, GGUFTensor):
+        return tp.shard_vocab(tensor, vocab_size)
+    rows = tp.vocab_rows(vocab_size)
+    start = min(tp.rank * rows, tensor.shape[0])
+    part = tensor.narrow(0, start, min(rows, tensor.shape[0] - start))
+    return part if part.shape[0] == rows else part.pad_rows(rows)
 
 
 def _copier(param: Tensor, broadcast: bool = False) -> WeightLoader:

@@ -80,20 +80,20 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def start(config: EngineConfig, model_directory: str) -> Workers:
+def start(config: EngineConfig, model_path: str) -> Workers:
     """Rank 0's side: the group of ``config.tensor_parallel_size`` ranks, workers started or joined.
 
     Under torchrun this process may be another rank: then it serves as a worker and exits when rank 0 stops.
     """
     world = config.tensor_parallel_size
-    _check_divides(model_directory, world, config.tensor_parallel_exact)
+    _check_divides(model_path, world, config.tensor_parallel_exact)
     if launched_by_torchrun():
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if size != world:
             raise ValueError(f"torchrun started {size} ranks but tensor_parallel_size is {world}: make them equal")
         tp = join_group(rank, size, "env://", config.tensor_parallel_exact)
         if rank != 0:
-            serve(tp, config, model_directory)
+            serve(tp, config, model_path)
             raise SystemExit(0)
         return Workers(tp, [])
     init_method = f"tcp://127.0.0.1:{_free_port()}"
@@ -102,7 +102,7 @@ def start(config: EngineConfig, model_directory: str) -> Workers:
     processes = [
         context.Process(
             target=_worker_main,
-            args=(rank, world, init_method, worker_config, model_directory),
+            args=(rank, world, init_method, worker_config, model_path),
             name=f"pagedkv-tp{rank}",
             daemon=True,
         )
@@ -118,7 +118,7 @@ def rank_threads(config: EngineConfig) -> int:
     return config.num_threads or max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
 
 
-def serve(tp: TensorParallel, config: EngineConfig, model_directory: str) -> None:
+def serve(tp: TensorParallel, config: EngineConfig, model_path: str) -> None:
     """A worker's life: load the shard, size the pool as rank 0 says, run steps until told to stop."""
     from pagedkv import kernels
     from pagedkv.attention.backend import select_backend
@@ -128,7 +128,7 @@ def serve(tp: TensorParallel, config: EngineConfig, model_directory: str) -> Non
     from pagedkv.model.loader import load_model
 
     attention = select_backend(config.attention_backend)
-    loaded = load_model(model_directory, config.weight_format, attention, kernels.use_kernels(config.kernels), tp)
+    loaded = load_model(model_path, config.weight_format, attention, kernels.use_kernels(config.kernels), tp)
     num_blocks = int(tp.broadcast(torch.zeros(1, dtype=torch.int64), idle=True))
     kv = KVCacheManager(num_blocks, config.block_size, False)
     runner = ModelRunner(loaded.model, kv, tp, kv_dtype=KV_DTYPES[config.kv_cache_dtype])
@@ -136,22 +136,23 @@ def serve(tp: TensorParallel, config: EngineConfig, model_directory: str) -> Non
         runner.run(inputs)
 
 
-def _worker_main(rank: int, world: int, init_method: str, config: EngineConfig, model_directory: str) -> None:
+def _worker_main(rank: int, world: int, init_method: str, config: EngineConfig, model_path: str) -> None:
     torch.set_num_threads(config.num_threads)
     tp = join_group(rank, world, init_method, config.tensor_parallel_exact)
     try:
-        serve(tp, config, model_directory)
+        serve(tp, config, model_path)
     finally:
         leave_group()
 
 
-def _check_divides(model_directory: str, world: int, exact: bool) -> None:
+def _check_divides(model_path: str, world: int, exact: bool) -> None:
     """Refuse a size that does not split the heads and the MLP, before any process starts."""
     import transformers
 
+    from pagedkv.model.loader import model_directory
     from pagedkv.model.spec import ModelSpec
 
-    spec = ModelSpec.from_hf_config(transformers.AutoConfig.from_pretrained(model_directory))
+    spec = ModelSpec.from_hf_config(transformers.AutoConfig.from_pretrained(model_directory(model_path)))
     tp = TensorParallel(0, world)
     tp.split(spec.num_heads, "query heads")
     tp.split(spec.num_kv_heads, "KV heads")
