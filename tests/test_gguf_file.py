@@ -8,12 +8,12 @@ import logging
 import struct
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.model import panel
 from pagedkv.model.gguf_file import GGUFError, GGUFFile
 from pagedkv.model.loader import load_model
 from tests.tiny_gguf import save_tiny_gguf
@@ -107,57 +107,18 @@ def test_a_split_set_loads_from_any_of_its_files_and_a_missing_part_is_named(tmp
 
 
 def test_a_type_without_a_kernel_is_dequantised_once_with_a_warning(tmp_path, caplog):
-    """IQ4_NL (random blocks: an fp16 scale and 4-bit indices into a fixed table) in one layer: computed in fp32
-    on the weights gguf de-quantises, with a warning naming the tensor, its type and the memory it costs."""
-    import gguf
-
-    path = tmp_path / "iq.gguf"
-    save_tiny_gguf(path, T.Q8_0)
-    reader = GGUFFile(path)
-    target = reader.tensors["blk.0.ffn_gate.weight"]
-    n, k = target.shape
-    rng = np.random.default_rng(0)
-    blocks = rng.integers(0, 256, size=(n, k // 32, 18), dtype=np.uint8)
-    blocks[..., :2] = (rng.random((n, k // 32)) * 1e-3 + 1e-3).astype(np.float16).view(np.uint8).reshape(n, -1, 2)
-    writer = gguf.GGUFWriter(str(tmp_path / "iq2.gguf"), "llama")
-    for key, value in reader.metadata.items():  # the same metadata and tensors, one of them IQ4_NL
-        if key.startswith("general.alignment") or key == "general.architecture":
-            continue
-        _copy_field(writer, key, value)
-    for name, tensor in reader.tensors.items():
-        if name == target.name:
-            writer.add_tensor(name, blocks.reshape(n, -1), raw_dtype=T.IQ4_NL)
-        elif tensor.ggml_type == T.F32:
-            writer.add_tensor(name, tensor.data.numpy().view(np.float32).reshape(tensor.shape))
-        else:
-            writer.add_tensor(name, tensor.data.numpy().copy(), raw_dtype=T(tensor.ggml_type))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with caplog.at_level(logging.WARNING, logger="pagedkv.model.gguf_weights"):
-        loaded = load_model(str(tmp_path / "iq2.gguf"), kernels=True)
-    assert "tensor 'blk.0.ffn_gate.weight' is IQ4_NL, which pagedkv has no kernel for" in caplog.text
+    """A layer whose type has no panel format (IQ4_NL: an fp16 scale and 4-bit indices into a fixed table, blocks
+    the size of Q4_0's, so a Q4_0 tensor's bytes relabelled are valid IQ4_NL) computes in fp32 on the weights gguf
+    de-quantises, with a warning naming the tensor, its type and the memory it costs."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="iq2.gguf", dtype=torch.float32)
+    good = save_tiny_gguf(tmp_path / "q4_0.gguf", T.Q4_0)
+    relabelled = _patch_tensor_record(good, tmp_path, "blk.0.ffn_gate.weight", ggml_type=int(T.IQ4_NL))
+    with caplog.at_level(logging.WARNING, logger="pagedkv.model.gguf_weights"):
+        loaded = load_model(str(relabelled), kernels=True)
+    assert "tensor 'blk.0.ffn_gate.weight' is IQ4_NL, which pagedkv has no kernel for" in caplog.text
     gate = loaded.model.layers[0].mlp.gate_up_proj
-    assert [p.format for p in gate.panels] == ["fp32", "q8"]
-    from pagedkv.model import panel
-
-    assert torch.equal(panel.rows(gate.panels[0], torch.arange(n)), hf.model.layers[0].mlp.gate_proj.weight)
-
-
-def _copy_field(writer, key: str, value) -> None:
-    if isinstance(value, str):
-        writer.add_string(key, value)
-    elif isinstance(value, bool):
-        writer.add_bool(key, value)
-    elif isinstance(value, float):
-        writer.add_float32(key, value)
-    elif isinstance(value, int):
-        writer.add_uint32(key, value)
-    elif isinstance(value, list):
-        writer.add_array(key, value)
-    else:
-        raise TypeError(f"{key}: {type(value)}")
+    assert [p.format for p in gate.panels] == ["fp32", "q4"]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=relabelled.name, dtype=torch.float32)
+    expected = hf.model.layers[0].mlp.gate_proj.weight
+    assert torch.equal(panel.rows(gate.panels[0], torch.arange(expected.shape[0])), expected)
