@@ -24,6 +24,8 @@ pytestmark = pytest.mark.skipif(not kernels.portable.available(), reason="the co
 
 T = GGMLQuantizationType
 SUPPORTED = list(gguf_blocks.TYPES)
+# (type, panel format): every format each type packs into
+PACKINGS = [(ggml_type, fmt) for ggml_type, t in gguf_blocks.TYPES.items() for fmt in t.formats]
 # (n, blocks per row): n never a whole number of panels but once, k from one block to several
 SHAPES = [(5, 1), (37, 3), (32, 2)]
 # Byte offsets of each block's fp16 scale fields (d, and m or dmin), from gguf/quants.py's dequantize_blocks
@@ -80,6 +82,58 @@ FLOAT_FORMATS = {
     "f16": (torch.float16, torch.int16),
     "bf16": (torch.bfloat16, torch.int16),
 }
+# Compact formats: (unit: k per record, sub: k per sub-block scale (= unit: none), high: code bits past the low
+# nibble, has a min, offset subtracted from a code without a min)
+COMPACT = {
+    "q4k": (256, 32, 0, True, 0),
+    "q6k": (256, 16, 2, False, 32),
+    "q5": (32, 32, 1, False, 16),
+    "q5k": (256, 32, 1, True, 0),
+}
+
+
+def read_compact(weight: PanelWeight) -> torch.Tensor:
+    """A compact packed weight as fp32 ``[n, k]``: ``(d sc) u - dmin mn`` or ``(d sc) (u - offset)`` per
+    sub-block from the record parts in order (low nibbles, high-bit words, sub-block scales, mins, d, dmin);
+    asserts that the padding lanes past ``n`` hold zero bytes only."""
+    n, k = weight.n, weight.k
+    panels = -(-n // 16)
+    unit, sub, high, has_min, offset = COMPACT[weight.format]
+    records = weight.packed.view(panels, k // unit, -1)
+    parts = []  # each [panels, records, rows, 16]
+    start = 0
+
+    def take(nbytes: int, dtype: torch.dtype) -> torch.Tensor:  # the next part of every record
+        nonlocal start
+        part = records[..., start : start + nbytes].contiguous().view(dtype).view(panels, k // unit, -1, 16)
+        start += nbytes
+        parts.append(part)
+        return part
+
+    low = take(unit * 8, torch.uint8)  # byte of k-pair p: k = 2p in the low nibble, 2p + 1 in the high one
+    u = torch.stack([low & 15, low >> 4], dim=3).reshape(panels, k // unit, unit, 16).int()
+    if high:  # word w: the high bits of k = 32 w / high + j at bits high * j
+        words = take(unit * high * 2, torch.int32)
+        shifts = (torch.arange(32 // high) * high).view(-1, 1)
+        u |= ((words.unsqueeze(3) >> shifts) & ((1 << high) - 1)).reshape(u.shape) << 4
+    subs = unit // sub if sub < unit else 0
+    scale = take(subs * 16, torch.int8 if weight.format == "q6k" else torch.uint8).float() if subs else 1.0
+    mins = take(subs * 16, torch.uint8).float() if has_min else None
+    d = take(64, torch.float32)
+    per_k = lambda t: t.repeat_interleave(sub, dim=2)  # [.., subs, 16] -> [.., unit, 16]
+    if has_min:
+        w = per_k(d * scale) * u.float() - per_k(take(64, torch.float32) * mins)
+    else:
+        w = per_k(d * scale) * (u - offset).float()
+    assert start == records.shape[-1]
+
+    def by_lane(t: torch.Tensor) -> torch.Tensor:  # [panels, records, rows, 16] -> [panels * 16, ...]
+        return t.permute(0, 3, 1, 2).reshape(panels * 16, -1)
+
+    assert not any(
+        by_lane(p.view(torch.uint8) if p.element_size() == 1 else p.view(torch.int32))[n:].any() for p in parts
+    )
+    return by_lane(w)[:n]
 
 
 def read_panels(weight: PanelWeight) -> torch.Tensor:
@@ -91,6 +145,8 @@ def read_panels(weight: PanelWeight) -> torch.Tensor:
     def by_lane(t: torch.Tensor) -> torch.Tensor:  # [panels, a, b, 16] -> [panels * 16, a * b]
         return t.permute(0, 3, 1, 2).reshape(panels * 16, -1)
 
+    if weight.format in COMPACT:
+        return read_compact(weight)
     if weight.format in FLOAT_FORMATS:
         dtype, int_dtype = FLOAT_FORMATS[weight.format]
         values = weight.packed.view(dtype).view(panels, 1, k, 16)
@@ -113,9 +169,11 @@ def read_panels(weight: PanelWeight) -> torch.Tensor:
     return by_lane(w)[:n]
 
 
-@pytest.mark.parametrize("ggml_type", SUPPORTED, ids=[t.name for t in gguf_blocks.TYPES.values()])
+@pytest.mark.parametrize(
+    ("ggml_type", "fmt"), PACKINGS, ids=[f"{gguf_blocks.TYPES[t].name}-{fmt}" for t, fmt in PACKINGS]
+)
 @pytest.mark.parametrize(("n", "blocks"), SHAPES)
-def test_rows_and_panels_match_numpy_bit_for_bit(ggml_type: int, n: int, blocks: int) -> None:
+def test_rows_and_panels_match_numpy_bit_for_bit(ggml_type: int, fmt: str, n: int, blocks: int) -> None:
     k = blocks * gguf_blocks.TYPES[ggml_type].block_size
     raw = random_blocks(ggml_type, n, k, seed=n + blocks)
     want = reference(raw, ggml_type, n, k)
@@ -127,10 +185,13 @@ def test_rows_and_panels_match_numpy_bit_for_bit(ggml_type: int, n: int, blocks:
     assert torch.equal(gguf_blocks.rows(raw, ggml_type, ids, k), want[ids])
     assert gguf_blocks.rows(raw, ggml_type, [], k).shape == (0, k)
 
-    weight = gguf_blocks.pack(raw, ggml_type, n, k)
-    assert weight.format == gguf_blocks.TYPES[ggml_type].panel_format and (weight.n, weight.k) == (n, k)
-    assert weight.nbytes == -(-n // 16) * 16 * k * gguf_blocks.bytes_per_weight(ggml_type)
-    assert torch.equal(read_panels(weight), want)
+    weight = gguf_blocks.pack(raw, ggml_type, n, k, fmt)
+    assert weight.format == fmt and (weight.n, weight.k) == (n, k)
+    assert weight.nbytes == -(-n // 16) * 16 * k * gguf_blocks.bytes_per_weight(ggml_type, fmt)
+    got = read_panels(weight)
+    assert torch.equal(got, want)
+    if ggml_type != T.Q4_0:  # signs of zero too; Q4_0's d q - 8 d is numpy's d (q - 8) up to the sign of a 0
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 def test_a_read_only_memory_map_is_only_read(tmp_path) -> None:
@@ -158,15 +219,19 @@ def test_bad_inputs_are_value_errors_that_say_what_is_wrong() -> None:
         gguf_blocks.pack(raw, int(T.Q4_K), 12, 128)
     with pytest.raises(ValueError, match=r"ids\[1\] = 3 is outside \[0, 3\)"):
         gguf_blocks.rows(raw, int(T.Q4_K), [0, 3], 512)
+    with pytest.raises(ValueError, match="Q4_K packs into q4 or q4k, not 'q6k'"):
+        gguf_blocks.pack(raw, int(T.Q4_K), 3, 512, "q6k")
+    with pytest.raises(ValueError, match="packs into panel format 1 or 8, not 9"):
+        torch.ops.pagedkv.gguf_pack(raw, int(T.Q4_K), 3, 512, 9)
     with pytest.raises(ValueError, match="IQ2_XXS"):
         gguf_blocks.pack(raw, int(T.IQ2_XXS), 3, 512)
     with pytest.raises(ValueError, match="unknown ggml type id 99"):
         gguf_blocks.bytes_per_weight(99)
     for op in (
-        lambda: torch.ops.pagedkv.gguf_pack(raw, 99, 3, 512),
+        lambda: torch.ops.pagedkv.gguf_pack(raw, 99, 3, 512, 1),
         lambda: torch.ops.pagedkv.gguf_rows(raw, 16, torch.tensor([0]), 512),
     ):
         with pytest.raises(ValueError, match="unknown or has no panel format"):
             op()
     with pytest.raises(ValueError, match="uint8"):
-        torch.ops.pagedkv.gguf_pack(raw.float(), int(T.Q4_K), 3, 512)
+        torch.ops.pagedkv.gguf_pack(raw.float(), int(T.Q4_K), 3, 512, 1)

@@ -10,6 +10,10 @@ one of these formats (the C++ header has the byte layouts):
   ``m``) and integer codes ``q`` (:data:`CODED`): ``"q4"`` (4-bit codes, G = 32, with a min: Q4_0, Q4_1, Q4_K;
   0.75 bytes a weight), ``"q8"`` (int8, G = 32: Q5_0, Q8_0; 1.125), ``"q8m"`` (int8 with a min: Q5_1, Q5_K;
   1.25), ``"q4g16"`` (4-bit with a min, G = 16: Q2_K; 1), ``"q8g16"`` (int8, G = 16: Q3_K, Q6_K; 1.25).
+- compact, a GGUF block's codes and two-level scales as the file keeps them (``w = (d sc) q - dmin mn`` or
+  ``(d sc) (q - offset)`` per sub-block, multiplied out by the kernel): ``"q4k"`` (Q4_K; 0.59 bytes a weight),
+  ``"q6k"`` (Q6_K; 0.83), ``"q5"`` (Q5_0; 0.75), ``"q5k"`` (Q5_K; 0.72). Only
+  :func:`pagedkv.model.gguf_blocks.pack` packs them.
 
 :func:`pack` packs an fp32 weight as fp32, or as q4 / q8 where :mod:`pagedkv.model.codes` recovers its exact
 codes; :func:`pack_codes` and :func:`pack_half` pack codes and half-precision bits directly (a GGUF file's
@@ -33,6 +37,7 @@ from pagedkv.model import codes
 
 PANEL = 16
 FORMATS = {"fp32": 0, "q4": 1, "q8": 2, "q8m": 3, "q4g16": 4, "q8g16": 5, "f16": 6, "bf16": 7}
+FORMATS |= {"q4k": 8, "q6k": 9, "q5": 10, "q5k": 11}  # the compact ones
 
 
 class Coded(NamedTuple):
