@@ -22,7 +22,7 @@ import torch
 from pagedkv import LLM, SamplingParams
 from pagedkv.config import EngineConfig
 from pagedkv.kv.disk_fingerprint import engine_fingerprint
-from pagedkv.kv.disk_tier import SUFFIX, CorruptBlockFile, DiskTier
+from pagedkv.kv.disk_tier import BLOCKS_DIR, SUFFIX, CorruptBlockFile, DiskTier
 from pagedkv.kv.hashing import extend_block_keys
 from tests.tiny_model import save_tiny_llama
 
@@ -59,7 +59,8 @@ def _engine(model: str, kv_dir: Path | None, **options) -> LLM:
 
 
 def _block_files(kv_dir: Path) -> list[Path]:
-    return sorted(p for p in kv_dir.iterdir() if p.name.endswith(SUFFIX) and not p.name.startswith("."))
+    """The block files of ``kv_dir`` (the disk tier keeps them in its own subdirectory)."""
+    return sorted(p for p in (kv_dir / BLOCKS_DIR).iterdir() if p.name.endswith(SUFFIX) and not p.name.startswith("."))
 
 
 def _reference(model: str, prompts, params=GREEDY) -> list[tuple]:
@@ -315,7 +316,7 @@ def test_two_processes_share_a_directory_without_corrupting_it(tiny, tmp_path, c
 
     files = _block_files(kv_dir)
     assert files and sum(p.stat().st_size for p in files) <= int(gb * 2**30)
-    assert not [p for p in kv_dir.iterdir() if p.name.startswith(".tmp-")]
+    assert not [p for p in (kv_dir / BLOCKS_DIR).iterdir() if p.name.startswith(".tmp-")]
     with caplog.at_level(logging.WARNING, logger=DISK_LOGGER):
         reader = _engine(tiny, kv_dir, kv_cache_disk_gb=gb)
         assert [[t, lp] for t, lp, _ in _run(reader, prompts, params)] == expected

@@ -6,12 +6,23 @@ engine's fingerprint, the block key, its parent's key and the sha256 of the tens
 :func:`decode_block` checks all of them and the sizes before a byte is used: a truncated, corrupted or
 misplaced file raises :class:`CorruptBlockFile`.
 
+The tier keeps everything in a subdirectory of its own, ``<kv_cache_dir>/pagedkv-kv-blocks/``, and writes or
+deletes there only: the user's directory may hold anything (a model's ``*.safetensors``, symlinks), and none
+of it is the tier's. There a block file is named ``<64 hex digits>.safetensors``, a temporary one
+``.tmp-<16 hex digits>``; nothing else is ever deleted, and only if it is a regular file. Every file is
+reached through a descriptor of that subdirectory, opened once without following symlinks, so a name
+swapped for a symlink later leads nowhere else; and only a regular file is ever opened, without blocking
+(a FIFO planted under a block's name would otherwise hang the reader forever). Block files of the old
+layout, at the top of ``kv_cache_dir``, are neither used nor deleted: one warning says so.
+
 :class:`BlockDirectory` puts files in place atomically (a temporary file, then ``os.replace``: a reader sees
 a whole file or none) and keeps the files' total under ``max_bytes``, making room before each rename by
 deleting the least recently used files first (a file's mtime is its last use). Processes sharing the
 directory serialize that bookkeeping on an ``flock``; the running total lives in the lock file and is
-recounted from the directory every ``RESCAN_EVERY`` writes. No fsync: a crash may leave a torn file, which
-the checksum catches.
+recounted from the directory every ``RESCAN_EVERY`` writes, or at once if what the lock file holds is not a
+plausible total. A lock file that is not a regular file of this user's, with one link, is refused
+(:class:`UntrustedFile`): no write happens without the size limit. No fsync: a crash may leave a torn file,
+which the checksum catches.
 """
 
 from __future__ import annotations
@@ -20,11 +31,14 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import math
 import os
+import re
+import secrets
 import stat
-import tempfile
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,22 +46,34 @@ import torch
 from safetensors.torch import save
 from torch import Tensor
 
-from pagedkv.kv.disk_fingerprint import FORMAT
 from pagedkv.kv.hashing import BlockKey
 from pagedkv.model.checkpoint import SAFETENSORS_DTYPES
 
+logger = logging.getLogger(__name__)
+
+FORMAT = "pagedkv-kv-block-v1"  # the file format; bump it to orphan every file written before
+BLOCKS_DIR = "pagedkv-kv-blocks"  # the tier's own subdirectory of kv_cache_dir: it writes nowhere else
 SUFFIX = ".safetensors"
-LOCK_FILE = ".lock"
+BLOCK_NAME = re.compile(r"[0-9a-f]{64}\.safetensors")
 TMP_PREFIX = ".tmp-"
+TMP_NAME = re.compile(r"\.tmp-[0-9a-f]{16}")
+LOCK_FILE = ".lock"
 STALE_TMP_S = 3600  # a temporary file this old was left by a killed writer
 RESCAN_EVERY = 64  # writes between recounts of the directory (other processes, deleted files, crashes)
 LOW_WATER = 0.9  # eviction frees down to this share of max_bytes, so it runs once per many writes
 MAX_HEADER = 64 << 10
+MAX_HEADER_DEPTH = 3  # a block file's header: {"__metadata__": {...}, "kv": {"shape": [...], ...}}
 _SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_JSON_BRACKET = re.compile(rb"[\[\]{}]")
 
 
 class CorruptBlockFile(ValueError):
     """A block file that must not be served; the message says what is wrong with it."""
+
+
+class UntrustedFile(PermissionError):
+    """A file or directory the tier refuses to use; the message names it and says what to change."""
 
 
 def encode_block(kv: Tensor, fingerprint: str, key: BlockKey, parent: BlockKey | None) -> bytes:
@@ -62,15 +88,21 @@ def encode_block(kv: Tensor, fingerprint: str, key: BlockKey, parent: BlockKey |
     return save({"kv": kv}, metadata=meta)
 
 
-def read_block_file(path: Path, block_bytes: int) -> bytearray:
-    """A block file's bytes (no symlinks; at most a block and a header); FileNotFoundError if it is gone."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+def read_regular_file(path: str | Path, limit: int, dir_fd: int | None = None) -> bytearray:
+    """The bytes of ``path`` (relative to ``dir_fd`` if given), a regular file of at most ``limit`` bytes.
+
+    Anything else raises :class:`CorruptBlockFile` without being read or waited on: opening a FIFO blocks
+    until a writer comes, a device may never end, a symlink leads out of the directory. So: lstat, an
+    ``O_NOFOLLOW | O_NONBLOCK`` open, and fstat of what was opened (the name may have changed in between).
+    FileNotFoundError if it is gone.
+    """
+    _require_regular(os.stat(path, dir_fd=dir_fd, follow_symlinks=False))
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise CorruptBlockFile("is not a regular file")
-        if info.st_size > block_bytes + MAX_HEADER:
-            raise CorruptBlockFile(f"is {info.st_size} bytes, far more than a block's {block_bytes}")
+        info = os.fstat(fd)
+        _require_regular(info)
+        if info.st_size > limit:
+            raise CorruptBlockFile(f"is {info.st_size} bytes, more than the {limit} such a file can have")
         buffer = bytearray(info.st_size)
         if f.readinto(buffer) != info.st_size:
             raise CorruptBlockFile("shrank while being read")
@@ -84,22 +116,27 @@ def decode_block(
     if len(buffer) < 8:
         raise CorruptBlockFile("is truncated (no header)")
     header_len = int.from_bytes(buffer[:8], "little")
+    if header_len > MAX_HEADER:
+        raise CorruptBlockFile(f"declares a {header_len}-byte header, more than a block file's {MAX_HEADER}")
     if header_len > len(buffer) - 8:
         raise CorruptBlockFile("is truncated (in its header)")
     try:
-        header = json.loads(bytes(buffer[8 : 8 + header_len]))
+        header = _parse_header(bytes(buffer[8 : 8 + header_len]))
         meta, entry = header["__metadata__"], header["kv"]
         begin, end = (int(x) for x in entry["data_offsets"])
         found, found_dtype, checksum = tuple(entry["shape"]), entry["dtype"], meta["sha256"]
         fields = (meta["format"], meta["fingerprint"], meta["key"])
     except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptBlockFile(f"has an unreadable header ({type(exc).__name__})") from exc
+        raise CorruptBlockFile(f"has an unreadable header ({_short(exc)})") from exc
     if fields != (FORMAT, fingerprint, key.hex()):
         raise CorruptBlockFile("holds another block (format, fingerprint or key differ)")
     nbytes, name = dtype.itemsize * math.prod(shape), _SAFETENSORS_NAMES[dtype]
-    if found_dtype != name or found != shape or end - begin != nbytes:
-        raise CorruptBlockFile(f"holds a {found_dtype} tensor of shape {list(found)}, not {name} {list(shape)}")
-    offset = 8 + header_len + begin
+    if found_dtype != name or found != shape or (begin, end) != (0, nbytes):
+        raise CorruptBlockFile(
+            f"holds a {_short(found_dtype)} tensor of shape {_short(list(found))} at bytes "
+            f"{_short([begin, end])}, not {name} {list(shape)} at [0, {nbytes}]"
+        )
+    offset = 8 + header_len
     if offset + nbytes != len(buffer):
         raise CorruptBlockFile(f"is {len(buffer)} bytes, not {offset + nbytes} (truncated?)")
     if hashlib.sha256(memoryview(buffer)[offset:]).hexdigest() != checksum:
@@ -107,49 +144,103 @@ def decode_block(
     return torch.frombuffer(buffer, dtype=dtype, offset=offset, count=math.prod(shape)).view(shape)
 
 
-class BlockDirectory:
-    """Block files in ``directory`` under ``max_bytes`` in all, least recently used deleted first."""
+def _parse_header(raw: bytes) -> dict:
+    """A block file's JSON header, its nesting checked first: ``json`` recurses once per level, and a header
+    nested thousands deep raised RecursionError out of the loader (every running request was aborted)."""
+    if _json_depth(raw) > MAX_HEADER_DEPTH:
+        raise ValueError(f"nested deeper than a block file's {MAX_HEADER_DEPTH} levels")
+    header = json.loads(raw)
+    if not isinstance(header, dict):
+        raise ValueError(f"a {type(header).__name__}, not an object")
+    return header
 
-    def __init__(self, directory: Path, max_bytes: int) -> None:
+
+def _json_depth(raw: bytes) -> int:
+    """How deep JSON text nests its arrays and objects (brackets inside strings do not count)."""
+    depth = deepest = 0
+    for bracket in _JSON_BRACKET.findall(_JSON_STRING.sub(b"", raw)):
+        depth += 1 if bracket in b"[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+class BlockDirectory:
+    """Block files in the tier's own subdirectory of ``root``, under ``max_bytes`` in all, least recently used
+    deleted first. Only names of the tier's scheme are written or deleted, and only regular files deleted."""
+
+    def __init__(self, root: Path, max_bytes: int) -> None:
         if max_bytes <= 0:
             raise ValueError(f"the disk tier's size limit must be > 0 bytes, got {max_bytes}")
-        self.directory = directory
+        self.directory = prepare_directory(root)
         self.max_bytes = max_bytes
         self.num_evictions = 0
-        _prepare(directory)
+        self._fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        weakref.finalize(self, os.close, self._fd)
+        self._warned_total = False
+        self._remove_stale_temporaries()
+        _warn_of_old_layout(self.directory.parent)
+
+    def contains(self, name: str) -> bool:
+        """Whether block file ``name`` is there (a regular file: anything else is no block)."""
+        try:
+            return stat.S_ISREG(os.stat(name, dir_fd=self._fd, follow_symlinks=False).st_mode)
+        except OSError:
+            return False
+
+    def read(self, name: str, limit: int) -> bytearray:
+        """Block file ``name``'s bytes (:func:`read_regular_file`)."""
+        return read_regular_file(name, limit, self._fd)
+
+    def touch(self, name: str) -> None:
+        """Mark a file used now, in nanoseconds (file systems stamp writes with a coarse clock)."""
+        now = time.time_ns()
+        with contextlib.suppress(OSError):
+            os.utime(name, ns=(now, now), dir_fd=self._fd, follow_symlinks=False)
 
     def put(self, name: str, blob: bytes) -> bool:
         """Write ``blob`` as file ``name``, atomically, after making room; False if it can never fit."""
         if len(blob) > self.max_bytes:
             return False
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=TMP_PREFIX)
+        tmp = TMP_PREFIX + secrets.token_hex(8)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o600, dir_fd=self._fd)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(blob)
             with self._exclusive() as lock_fd:
-                total, writes = _read_total(lock_fd)
+                total, writes = self._read_total(lock_fd)
                 if total is None or writes >= RESCAN_EVERY:
                     total, writes = sum(size for _, _, size in self.scan()), 0
                 if total + len(blob) > self.max_bytes:
                     total, writes = self._evict(len(blob)), 0
-                path = self.directory / name
-                with contextlib.suppress(FileNotFoundError):
-                    total -= path.stat().st_size  # replaced by identical bytes (another process wrote it)
-                os.replace(tmp, path)
-                set_mtime(path)
+                total -= self._replaced_size(name)  # identical bytes another process wrote
+                os.replace(tmp, name, src_dir_fd=self._fd, dst_dir_fd=self._fd)
+                self.touch(name)
                 _write_total(lock_fd, total + len(blob), writes + 1)
         except BaseException:
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=self._fd)
             raise
+        return True
+
+    def remove(self, name: str) -> bool:
+        """Delete block file ``name`` if it is one of the tier's: a name of its scheme, a regular file."""
+        if not BLOCK_NAME.fullmatch(name):
+            return False
+        try:
+            if not stat.S_ISREG(os.stat(name, dir_fd=self._fd, follow_symlinks=False).st_mode):
+                return False
+            os.unlink(name, dir_fd=self._fd)
+        except FileNotFoundError:
+            return False
         return True
 
     def scan(self) -> list[tuple[int, str, int]]:
         """(mtime_ns, name, size) of every block file in the directory."""
         entries = []
-        with os.scandir(self.directory) as it:
+        with os.scandir(self._fd) as it:
             for entry in it:
-                if entry.name.endswith(SUFFIX) and not entry.name.startswith("."):
+                if BLOCK_NAME.fullmatch(entry.name):
                     with contextlib.suppress(FileNotFoundError):
                         info = entry.stat(follow_symlinks=False)
                         if stat.S_ISREG(info.st_mode):
@@ -164,56 +255,190 @@ class BlockDirectory:
         for _, name, size in entries:
             if total <= target:
                 break
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.directory / name)
+            if self.remove(name):
+                self.num_evictions += 1
             total -= size
-            self.num_evictions += 1
         return total
+
+    def _replaced_size(self, name: str) -> int:
+        """The size of the block file ``put`` is about to replace (0 if none); refuses to replace anything
+        else, which someone else put under a block's name."""
+        try:
+            info = os.stat(name, dir_fd=self._fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return 0
+        if not stat.S_ISREG(info.st_mode):
+            raise UntrustedFile(
+                f"{self.directory / name} is {_kind(info.st_mode)}, not a block file: the tier does not replace "
+                "it, so that block is not written. Remove it"
+            )
+        return info.st_size
 
     @contextlib.contextmanager
     def _exclusive(self) -> Iterator[int]:
         """The directory's bookkeeping lock, shared with other processes (released if the holder dies)."""
-        fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        path = self.directory / LOCK_FILE
+        with contextlib.suppress(FileNotFoundError):
+            _check_lock(os.stat(LOCK_FILE, dir_fd=self._fd, follow_symlinks=False), path)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        fd = os.open(LOCK_FILE, flags, 0o600, dir_fd=self._fd)
         try:
+            _check_lock(os.fstat(fd), path)
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield fd
         finally:
             os.close(fd)
 
+    def _read_total(self, fd: int) -> tuple[int | None, int]:
+        """(bytes of block files, writes since the last recount), as kept in the lock file; None if unknown.
 
-def set_mtime(path: Path) -> None:
-    """Mark a file used now, in nanoseconds (file systems stamp writes with a coarse clock)."""
-    now = time.time_ns()
-    with contextlib.suppress(OSError):
-        os.utime(path, ns=(now, now), follow_symlinks=False)
-
-
-def _prepare(directory: Path) -> None:
-    """Create ``directory`` (mode 0o700) or check it: its files decide what the model answers, so one that
-    another user can write is refused. Temporary files a killed writer left are deleted."""
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    info = directory.stat()
-    if info.st_uid != os.geteuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise PermissionError(
-            f"kv_cache_dir {directory} is writable by other users (or not yours): whoever can write it decides "
-            f"what the model answers. Use a directory of your own, or `chmod go-w {directory}`"
-        )
-    now = time.time()
-    with os.scandir(directory) as it:
-        for entry in it:
-            if entry.name.startswith(TMP_PREFIX):
-                with contextlib.suppress(OSError):
-                    if now - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_S:
-                        os.unlink(entry.path)
-
-
-def _read_total(fd: int) -> tuple[int | None, int]:
-    """(bytes of block files, writes since the last recount), as kept in the lock file; None if unknown."""
-    try:
-        total, writes = os.pread(fd, 64, 0).split()
-        return int(total), int(writes)
-    except ValueError:
+        A total that cannot be one (negative, not numbers, a write count past RESCAN_EVERY) is recounted,
+        with a warning, rather than believed: a planted ``-1000000000000`` switched the size limit off.
+        """
+        raw = os.pread(fd, 64, 0)
+        if not raw:
+            return None, 0  # a new lock file
+        try:
+            total, writes = (int(x) for x in raw.split())
+        except ValueError:
+            total = writes = -1
+        if total >= 0 and 0 <= writes <= RESCAN_EVERY:
+            return total, writes
+        if not self._warned_total:
+            self._warned_total = True
+            logger.warning(
+                "kv_cache_dir: %s holds %r, not a size total the disk tier wrote; the directory is recounted "
+                "instead (if this recurs, something else writes that file)",
+                self.directory / LOCK_FILE,
+                raw[:64],
+            )
         return None, 0
+
+    def _remove_stale_temporaries(self) -> None:
+        """Delete the tier's temporary files that a killed writer left (its names only, regular files only)."""
+        now = time.time()
+        with os.scandir(self._fd) as it:
+            for entry in it:
+                if TMP_NAME.fullmatch(entry.name):
+                    with contextlib.suppress(OSError):
+                        info = entry.stat(follow_symlinks=False)
+                        if stat.S_ISREG(info.st_mode) and now - info.st_mtime > STALE_TMP_S:
+                            os.unlink(entry.name, dir_fd=self._fd)
+
+
+def prepare_directory(root: str | Path) -> Path:
+    """Check ``root`` (``kv_cache_dir``) and make the tier's own subdirectory in it; that one, resolved.
+
+    The engine calls this before it loads the model, so a refused directory fails start-up in a moment, not
+    after minutes of loading. Whoever can write these directories decides what the model answers: each
+    must be a real directory of this user's that others cannot write; a lock file there must be trusted.
+    Every refusal names the path and what to change.
+    """
+    root = Path(root).expanduser()
+    _make_directory(root, parents=True)
+    if not root.is_dir():
+        raise NotADirectoryError(
+            f"kv_cache_dir {root} is not a directory: point --kv-cache-dir (kv_cache_dir) at a directory, or "
+            "at a path that does not exist yet (it is then created)"
+        )
+    root = root.resolve()
+    _check_owner(root)
+    own = root / BLOCKS_DIR
+    _make_directory(own, parents=False)
+    info = os.stat(own, follow_symlinks=False)
+    if not stat.S_ISDIR(info.st_mode):
+        raise UntrustedFile(
+            f"kv_cache_dir: {own} is {_kind(info.st_mode)}, not a directory: the disk tier keeps its files in a "
+            "directory of its own there. Remove it, or choose another kv_cache_dir"
+        )
+    _check_owner(own)
+    if not os.access(own, os.R_OK | os.W_OK | os.X_OK):
+        raise PermissionError(f"kv_cache_dir {own} is not writable by this user: `chmod u+rwx {own}`")
+    with contextlib.suppress(FileNotFoundError):
+        _check_lock(os.stat(own / LOCK_FILE, follow_symlinks=False), own / LOCK_FILE)
+    return own
+
+
+def _make_directory(path: Path, parents: bool) -> None:
+    """``mkdir`` (mode 0o700) unless something is there already; PermissionError saying what to change."""
+    try:
+        path.mkdir(mode=0o700, parents=parents, exist_ok=True)
+    except FileExistsError:
+        return  # a file or a dangling symlink: the checks that follow name it
+    except PermissionError as exc:
+        raise PermissionError(
+            f"kv_cache_dir: cannot create {path} ({exc.strerror}): make its parent writable by this user, or "
+            "choose another kv_cache_dir"
+        ) from exc
+
+
+def _check_owner(directory: Path) -> None:
+    """Refuse a directory of another user's, or one other users can write."""
+    info = directory.stat()
+    if info.st_uid != os.geteuid():
+        raise UntrustedFile(
+            f"kv_cache_dir {directory} belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()}): "
+            "whoever owns it decides what the model answers. Use a directory of your own"
+        )
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UntrustedFile(
+            f"kv_cache_dir {directory} is writable by other users: whoever can write it decides what the model "
+            f"answers. Use a directory of your own, or `chmod go-w {directory}`"
+        )
+
+
+def _check_lock(info: os.stat_result, path: Path) -> None:
+    """Refuse a lock file the tier cannot trust to keep the size total: it holds the bookkeeping of every
+    process on the directory, and the tier truncates and rewrites it."""
+    problem = None
+    if not stat.S_ISREG(info.st_mode):
+        problem = _kind(info.st_mode)
+    elif info.st_uid != os.geteuid():
+        problem = f"owned by uid {info.st_uid}, not this user"
+    elif info.st_nlink != 1:
+        problem = f"a file with {info.st_nlink} names (hard links)"
+    elif info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        problem = "writable by other users"
+    if problem is not None:
+        raise UntrustedFile(
+            f"kv_cache_dir: the disk tier's lock file {path} is {problem}: it cannot be trusted to keep the size "
+            "limit, so the tier refuses it. Delete it (the tier makes a new one)"
+        )
+
+
+def _warn_of_old_layout(root: Path) -> None:
+    """Say once that block files of the old layout (at the top of ``root``) are no longer used, and that the
+    tier leaves them alone: a file named like one may be the user's, so only the user may delete them."""
+    with contextlib.suppress(OSError), os.scandir(root) as it:
+        old = [e.name for e in it if BLOCK_NAME.fullmatch(e.name) and e.is_file(follow_symlinks=False)]
+        if old:
+            logger.warning(
+                "kv_cache_dir %s holds %d block files of an older pagedkv at its top (e.g. %s); the disk tier "
+                "now keeps its files in %s/ and neither uses nor deletes those: delete them if nothing else uses "
+                "them",
+                root,
+                len(old),
+                old[0],
+                BLOCKS_DIR,
+            )
+
+
+def _require_regular(info: os.stat_result) -> None:
+    if not stat.S_ISREG(info.st_mode):
+        raise CorruptBlockFile(f"is {_kind(info.st_mode)}, not a regular file")
+
+
+def _kind(mode: int) -> str:
+    """What a file is, in words, for messages."""
+    kinds = ((stat.S_ISLNK, "a symlink"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"))
+    kinds += ((stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))
+    return next((word for test, word in kinds if test(mode)), "a regular file" if stat.S_ISREG(mode) else "odd")
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """``value`` in words, cut to ``limit`` characters: a hostile header's values must not flood the log."""
+    text = f"{type(value).__name__}: {value}" if isinstance(value, BaseException) else str(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _write_total(fd: int, total: int, writes: int) -> None:

@@ -18,6 +18,8 @@ import contextlib
 import hashlib
 import json
 import os
+import re
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -26,9 +28,10 @@ import torch
 
 import pagedkv
 from pagedkv.extension import cpu_flags
+from pagedkv.kv.disk_files import FORMAT, read_regular_file
 
-FORMAT = "pagedkv-kv-block-v1"  # the file format; bump it to orphan every file written before
 _CHUNK = 1 << 24
+_DIGEST = re.compile("[0-9a-f]{64}")
 
 
 def model_files(source: Path) -> list[Path]:
@@ -44,10 +47,8 @@ def file_digest(path: Path, memo_dir: Path) -> str:
     info = path.stat()
     identity = f"{path.resolve()}\0{info.st_size}\0{info.st_mtime_ns}\0{info.st_ino}".encode()
     memo = memo_dir / hashlib.sha256(identity).hexdigest()
-    with contextlib.suppress(OSError):
-        remembered = memo.read_text().strip()
-        if len(remembered) == 64:
-            return remembered
+    if remembered := _remembered(memo):
+        return remembered
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
@@ -55,11 +56,21 @@ def file_digest(path: Path, memo_dir: Path) -> str:
     hexdigest = digest.hexdigest()
     with contextlib.suppress(OSError):  # only a lost memo: the next start reads the file again
         memo_dir.mkdir(mode=0o700, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=memo_dir, prefix=".tmp-")
-        with os.fdopen(fd, "w") as f:
-            f.write(hexdigest)
-        os.replace(tmp, memo)
+        if stat.S_ISDIR(os.stat(memo_dir, follow_symlinks=False).st_mode):  # not through a planted symlink
+            fd, tmp = tempfile.mkstemp(dir=memo_dir, prefix=".tmp-")
+            with os.fdopen(fd, "w") as f:
+                f.write(hexdigest)
+            os.replace(tmp, memo)
     return hexdigest
+
+
+def _remembered(memo: Path) -> str | None:
+    """The digest in ``memo``, if it is a regular file holding one (a FIFO there must not hang start-up)."""
+    try:
+        text = bytes(read_regular_file(memo, 128)).decode().strip()
+    except (OSError, ValueError):
+        return None
+    return text if _DIGEST.fullmatch(text) else None
 
 
 def engine_fingerprint(

@@ -8,19 +8,22 @@ and an engine with any other fingerprint never finds, let alone reads, another's
 its checks and the size limit live in ``pagedkv.kv.disk_files``.
 
 Loads run on the engine thread, when the KV manager admits a request (``KVCacheManager.load_from_disk``). A
-file that fails its checks is reported in one warning, deleted -- the block is then computed and written
-again -- and never served.
+file that fails to be read for *any* reason -- its checks, an I/O error, something planted under its name --
+is reported in one warning and never served, and :meth:`load` returns False: the block is computed again, no
+exception reaches the engine step, and the KV manager gets its block back. The file is deleted if it is the
+tier's own (a regular file of its naming scheme in its subdirectory), so the block is written again.
 
 Writes: when the KV manager caches a block full of computed tokens, :meth:`store` copies its K/V out of the
 pool on the engine thread (the pool may reuse the block in the next step; 0.15-0.18 ms for the default
 model's 720 KiB block, in one ``torch.stack`` of small slices: stacking K, V, then the two took 2.7-26 ms, as
 the big copy went multi-threaded) and a writer thread does the rest: checksum, serialize, write. A queue over
-``MAX_QUEUED_BYTES`` drops the write rather than stall a step.
+``MAX_QUEUED_BYTES`` drops the write rather than stall a step. A write that fails (a full disk, a refused lock
+file) is counted in ``disk_write_failures`` and logged once per cause, not once per block.
 """
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import hashlib
 import logging
 import math
@@ -35,29 +38,31 @@ import torch
 from torch import Tensor
 
 from pagedkv.kv.disk_files import (
+    BLOCKS_DIR,
+    MAX_HEADER,
     SUFFIX,
     BlockDirectory,
     CorruptBlockFile,
+    UntrustedFile,
     decode_block,
     encode_block,
-    read_block_file,
-    set_mtime,
 )
 from pagedkv.kv.hashing import BlockKey
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SUFFIX", "CorruptBlockFile", "DiskTier"]
+__all__ = ["BLOCKS_DIR", "SUFFIX", "CorruptBlockFile", "DiskTier", "UntrustedFile"]
 
 MAX_QUEUED_BYTES = 64 << 20  # K/V copies waiting for the writer; beyond this a write is dropped
 
 
 class DiskTier:
-    """Full blocks' K/V in ``directory``, at most ``max_bytes``; ``attach`` the pools before use."""
+    """Full blocks' K/V in ``directory`` (kv_cache_dir; the files go in its subdirectory ``BLOCKS_DIR``), at
+    most ``max_bytes``; ``attach`` the pools before use."""
 
     def __init__(self, directory: str | os.PathLike, fingerprint: str, max_bytes: int) -> None:
-        self.directory = Path(directory).expanduser()
-        self.files = BlockDirectory(self.directory, max_bytes)
+        self.files = BlockDirectory(Path(directory), max_bytes)
+        self.directory = self.files.directory
         self.fingerprint = fingerprint
         self._fp = bytes.fromhex(fingerprint)
         self._pools: list[tuple[Tensor, Tensor]] = []
@@ -66,10 +71,18 @@ class DiskTier:
         self._lock = threading.Lock()
         self._pending: set[str] = set()  # names queued for the writer
         self._queued_bytes = 0
-        self._warned: set[str] = set()
+        self._warned: set[str] = set()  # files whose read failed (engine thread)
+        self._failure_causes: set[tuple[str, int | None]] = set()  # of failed writes (writer thread)
         self._closed = False
         self.counters = dict.fromkeys(
-            ("disk_blocks_loaded", "disk_load_failures", "disk_blocks_written", "disk_writes_dropped"), 0
+            (
+                "disk_blocks_loaded",
+                "disk_load_failures",
+                "disk_blocks_written",
+                "disk_writes_dropped",
+                "disk_write_failures",
+            ),
+            0,
         )
         self.seconds = {"disk_load": 0.0, "disk_store_copy": 0.0, "disk_write": 0.0}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -91,12 +104,15 @@ class DiskTier:
     def block_bytes(self) -> int:
         return self._dtype.itemsize * math.prod(self._shape)
 
+    def name(self, key: BlockKey) -> str:
+        """The file name of the block cached under ``key`` (under this tier's fingerprint)."""
+        return hashlib.sha256(self._fp + key).hexdigest() + SUFFIX
+
     def path(self, key: BlockKey) -> Path:
-        """The file of the block cached under ``key`` (under this tier's fingerprint)."""
-        return self.directory / (hashlib.sha256(self._fp + key).hexdigest() + SUFFIX)
+        return self.directory / self.name(key)
 
     def contains(self, key: BlockKey) -> bool:
-        return self.path(key).exists()
+        return self.files.contains(self.name(key))
 
     # -- the engine thread --------------------------------------------------------------------------------
 
@@ -105,30 +121,29 @@ class DiskTier:
         if not self._pools:
             raise RuntimeError("DiskTier.attach() the KV pools before loading blocks")
         start = time.perf_counter()
-        path = self.path(key)
+        name = self.name(key)
         try:
-            kv = self.decode(read_block_file(path, self.block_bytes), key)
+            kv = self.decode(self.files.read(name, self.block_bytes + MAX_HEADER), key)
         except FileNotFoundError:
             return False  # deleted since it was looked up (evicted by another process): a plain miss
-        except (OSError, CorruptBlockFile) as exc:
-            self._reject(path, str(exc))
+        except Exception as exc:  # whatever a file does, the engine step goes on: the block is computed
+            self._reject(name, exc)
             return False
         with torch.no_grad():
             for layer, (k_pool, v_pool) in enumerate(self._pools):
                 k_pool[block_id].copy_(kv[0, layer])
                 v_pool[block_id].copy_(kv[1, layer])
-        set_mtime(path)
+        self.files.touch(name)
         self.counters["disk_blocks_loaded"] += 1
         self.seconds["disk_load"] += time.perf_counter() - start
         return True
 
     def store(self, key: BlockKey, parent: BlockKey | None, block_id: int) -> None:
         """Queue pool block ``block_id`` (cached under ``key``) for writing, unless it is on disk already."""
-        path = self.path(key)
-        name = path.name
+        name = self.name(key)
         if name in self._pending or self._closed:
             return
-        if path.exists():
+        if self.files.contains(name):
             self._queue.put(("touch", [name]))  # computed again: used, so last to be evicted
             return
         if not self._pools:
@@ -149,7 +164,7 @@ class DiskTier:
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Mark these blocks used now (a prefix hit in memory), so the disk keeps them longest."""
         if keys and not self._closed:
-            self._queue.put(("touch", [self.path(k).name for k in keys]))
+            self._queue.put(("touch", [self.name(k) for k in keys]))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every write queued so far is on disk; False if ``timeout`` passed first."""
@@ -178,14 +193,17 @@ class DiskTier:
         """The K/V tensor of a block file's bytes, after its checks (``disk_files.decode_block``)."""
         return decode_block(buffer, self.fingerprint, key, self._shape, self._dtype)
 
-    def _reject(self, path: Path, reason: str) -> None:
-        """One warning per bad file; delete it, so the block is computed and written again."""
+    def _reject(self, name: str, exc: Exception) -> None:
+        """One warning per bad file; delete it if it is the tier's own, so the block is written again."""
         self.counters["disk_load_failures"] += 1
-        if path.name not in self._warned:
-            self._warned.add(path.name)
-            logger.warning("kv_cache_dir: %s %s; not used (the block is computed again)", path, reason)
-        with contextlib.suppress(OSError):
-            path.unlink()
+        if name not in self._warned:
+            self._warned.add(name)
+            reason = str(exc) if isinstance(exc, CorruptBlockFile) else f"could not be read ({_cause_text(exc)})"
+            logger.warning("kv_cache_dir: %s %s; not used (the block is computed again)", self.directory / name, reason)
+        try:
+            self.files.remove(name)
+        except OSError as unlink_error:  # left in place: read and refused again, each time in a moment
+            logger.debug("kv_cache_dir: could not delete %s: %s", self.directory / name, unlink_error)
 
     # -- the writer thread --------------------------------------------------------------------------------
 
@@ -197,11 +215,11 @@ class DiskTier:
                     self._write(*payload)
                 elif kind == "touch":
                     for name in payload:
-                        set_mtime(self.directory / name)
+                        self.files.touch(name)
                 else:
                     payload.set()
-            except Exception:  # a full disk, a vanished directory: the engine goes on without this block
-                logger.exception("kv_cache_dir: writing to %s failed", self.directory)
+            except Exception as exc:  # a full disk, a refused lock file: the engine goes on without this block
+                self._write_failed(exc)
             finally:
                 if kind == "write":
                     with self._lock:
@@ -215,3 +233,23 @@ class DiskTier:
         else:
             self.counters["disk_writes_dropped"] += 1
         self.seconds["disk_write"] += time.perf_counter() - start
+
+    def _write_failed(self, exc: Exception) -> None:
+        """Count a failed write; log the first of each cause (an errno, an exception type) only: a full disk
+        fails every block, and a traceback per block buried the log."""
+        self.counters["disk_write_failures"] += 1
+        cause = (type(exc).__name__, getattr(exc, "errno", None))
+        if cause not in self._failure_causes:
+            self._failure_causes.add(cause)
+            logger.warning(
+                "kv_cache_dir: writing a block to %s failed (%s); the engine goes on without it. Further "
+                "failures of this kind are counted in disk_write_failures, not logged",
+                self.directory,
+                _cause_text(exc),
+            )
+
+
+def _cause_text(exc: BaseException, limit: int = 300) -> str:
+    """An exception in one line, errno name first (``ENOSPC: ...``), at most ``limit`` characters."""
+    text = f"{errno.errorcode.get(getattr(exc, 'errno', None)) or type(exc).__name__}: {exc}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
