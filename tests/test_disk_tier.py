@@ -345,6 +345,48 @@ def test_options_that_cannot_work_together_are_refused(tmp_path):
         DiskTier(shared, "ab" * 32, 1 << 20)
 
 
+def _refuse_as(kv_dir: Path, problem: str) -> None:
+    """Make ``kv_dir`` a kv_cache_dir the engine must refuse, in one of the ways a start-up meets."""
+    if problem == "a file":
+        kv_dir.write_text("not a directory")
+        return
+    (kv_dir / BLOCKS_DIR).parent.mkdir(mode=0o700)
+    if problem == "writable by other users":
+        kv_dir.chmod(0o777)
+    elif problem == "a symlink":  # its own subdirectory, pointing elsewhere
+        (kv_dir / BLOCKS_DIR).symlink_to(kv_dir.parent)
+    else:  # a planted lock file: a symlink to a file the tier would truncate
+        (kv_dir / BLOCKS_DIR).mkdir(mode=0o700)
+        (kv_dir.parent / "precious").write_text("data")
+        (kv_dir / BLOCKS_DIR / ".lock").symlink_to(kv_dir.parent / "precious")
+
+
+@pytest.mark.parametrize(
+    ("problem", "reason", "advice"),
+    [
+        ("a file", "is not a directory", "point --kv-cache-dir"),
+        ("writable by other users", "is writable by other users", "chmod go-w"),
+        ("a symlink", "is a symlink, not a directory", "Remove it"),
+        ("a lock", "lock file .* is a symlink", "Delete it"),
+    ],
+)
+def test_a_refused_kv_cache_dir_fails_before_the_model_loads(tiny, tmp_path, monkeypatch, problem, reason, advice):
+    """Start-up refuses the directory in a moment, naming it and what to change, before loading the model
+    (a refusal used to come only after it, minutes in for a large one)."""
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before kv_cache_dir was checked")
+
+    monkeypatch.setattr("pagedkv.engine.engine.load_model", no_model)
+    kv_dir = tmp_path / "kv"
+    _refuse_as(kv_dir, problem)
+    with pytest.raises(OSError, match=reason) as refused:
+        LLM(model=tiny, kv_cache_dir=str(kv_dir))
+    assert str(kv_dir) in str(refused.value) and advice in str(refused.value)
+    if problem == "a lock":
+        assert (tmp_path / "precious").read_text() == "data"
+
+
 @pytest.mark.slow
 def test_default_model_restarted_answers_the_system_prompt_from_disk(tmp_path):
     """The workload's first chat request: a restarted engine takes its system prompt from disk, same bits."""

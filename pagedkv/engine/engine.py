@@ -30,6 +30,7 @@ from pagedkv.engine.request import OutputKind, Request, RequestOutput
 from pagedkv.engine.runner import ModelRunner, kv_block_bytes
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.errors import InvalidParameter
+from pagedkv.kv.disk_files import prepare_directory
 from pagedkv.kv.disk_fingerprint import engine_fingerprint
 from pagedkv.kv.disk_tier import DiskTier
 from pagedkv.kv.events import KVEventBatch, KVEventPublisher, KVEventRecorder
@@ -48,6 +49,8 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.kv_cache_dir is not None:  # refused in a moment, before the model loads, not minutes after
+            prepare_directory(config.kv_cache_dir)
         torch.set_num_threads(workers.rank_threads(config))
         self.attention = select_backend(config.attention_backend)
         self.kernels = kernels.use_kernels(config.kernels)
