@@ -29,6 +29,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from pagedkv.kv.disk_files import BLOCKS_DIR  # noqa: E402
+
 WORKLOAD = ROOT / "workloads" / "chat_shared_prefix.json"
 NEW_QUESTIONS = [  # not in the workload: only the system prompt is on disk (one per repeat, so none is cached)
     "Is there a café inside the library where I can buy a coffee?",
@@ -144,7 +147,7 @@ def main() -> None:
             "close_flush_s": cold["close_s"],
             "blocks_loaded": restarted["stats"]["disk_blocks_loaded"],
             "load_ms_per_block": per_block(restarted["stats"], "disk_load_ms", "disk_blocks_loaded"),
-            "directory_mb": sum(p.stat().st_size for p in Path(kv_dir).glob("*.safetensors")) / 2**20,
+            "directory_mb": sum(p.stat().st_size for p in Path(kv_dir, BLOCKS_DIR).glob("*.safetensors")) / 2**20,
         }
         for question in ("workload", "new"):
             samples: dict[str, list[float]] = {}

@@ -49,6 +49,7 @@ ENGINE_COUNTERS = {
     "num_preemptions": ("preemptions", "Requests preempted for lack of KV blocks"),
     "draft_tokens": ("spec_decode_draft_tokens", "Speculative draft tokens proposed"),
     "draft_tokens_accepted": ("spec_decode_accepted_tokens", "Speculative draft tokens the model agreed with"),
+    "disk_write_failures": ("kv_disk_write_failures", "KV blocks the disk tier failed to write (see the log)"),
 }
 ENGINE_GAUGES = {
     "num_requests_running": ("num_requests_running", "Sequences in the running batch"),
