@@ -82,8 +82,8 @@ FLOAT_FORMATS = {
     "f16": (torch.float16, torch.int16),
     "bf16": (torch.bfloat16, torch.int16),
 }
-# Compact formats: (unit: k per record, sub: k per sub-block scale (= unit: none), high: code bits past the low
-# nibble, has a min, offset subtracted from a code without a min)
+# Compact formats: (unit: k per record, sub: k per sub-block (= unit: no sub-block scales), high: code bits past
+# the low nibble, has a min, offset subtracted from a code without a min)
 COMPACT = {
     "q4k": (256, 32, 0, True, 0),
     "q6k": (256, 16, 2, False, 32),
@@ -94,41 +94,44 @@ COMPACT = {
 
 def read_compact(weight: PanelWeight) -> torch.Tensor:
     """A compact packed weight as fp32 ``[n, k]``: ``(d sc) u - dmin mn`` or ``(d sc) (u - offset)`` per
-    sub-block from the record parts in order (low nibbles, high-bit words, sub-block scales, mins, d, dmin);
-    asserts that the padding lanes past ``n`` hold zero bytes only."""
+    sub-block, from the parts of each record in order (d, dmin, then per sub-block: scales, mins, high-bit words,
+    low nibbles); asserts that the padding lanes past ``n`` hold zero bytes only."""
     n, k = weight.n, weight.k
     panels = -(-n // 16)
     unit, sub, high, has_min, offset = COMPACT[weight.format]
     records = weight.packed.view(panels, k // unit, -1)
-    parts = []  # each [panels, records, rows, 16]
+    parts = []  # each [panels, records, ..., 16]
     start = 0
 
-    def take(nbytes: int, dtype: torch.dtype) -> torch.Tensor:  # the next part of every record
+    def take(nbytes: int, dtype: torch.dtype, *shape: int) -> torch.Tensor:  # the next part of every record
         nonlocal start
-        part = records[..., start : start + nbytes].contiguous().view(dtype).view(panels, k // unit, -1, 16)
+        part = records[..., start : start + nbytes].contiguous().view(dtype).view(panels, k // unit, *shape, 16)
         start += nbytes
         parts.append(part)
         return part
 
-    low = take(unit * 8, torch.uint8)  # byte of k-pair p: k = 2p in the low nibble, 2p + 1 in the high one
-    u = torch.stack([low & 15, low >> 4], dim=3).reshape(panels, k // unit, unit, 16).int()
-    if high:  # word w: the high bits of k = 32 w / high + j at bits high * j
-        words = take(unit * high * 2, torch.int32)
-        shifts = (torch.arange(32 // high) * high).view(-1, 1)
-        u |= ((words.unsqueeze(3) >> shifts) & ((1 << high) - 1)).reshape(u.shape) << 4
-    subs = unit // sub if sub < unit else 0
-    scale = take(subs * 16, torch.int8 if weight.format == "q6k" else torch.uint8).float() if subs else 1.0
-    mins = take(subs * 16, torch.uint8).float() if has_min else None
-    d = take(64, torch.float32)
-    per_k = lambda t: t.repeat_interleave(sub, dim=2)  # [.., subs, 16] -> [.., unit, 16]
-    if has_min:
-        w = per_k(d * scale) * u.float() - per_k(take(64, torch.float32) * mins)
-    else:
-        w = per_k(d * scale) * (u - offset).float()
+    d = take(64, torch.float32, 1)
+    dmin = take(64, torch.float32, 1) if has_min else None
+    codes, scales, mins = [], [], []
+    for _ in range(unit // sub):
+        if sub < unit:
+            scales.append(take(16, torch.int8 if weight.format == "q6k" else torch.uint8, 1).float())
+            if has_min:
+                mins.append(take(16, torch.uint8, 1).float())
+        words = take(64, torch.int32, 1) if high else None
+        low = take(sub * 8, torch.uint8, sub // 2)  # k-pair p: k = 2p in the low nibble, 2p + 1 in the high one
+        u = torch.stack([low & 15, low >> 4], dim=3).reshape(panels, k // unit, sub, 16).int()
+        if high:  # bits high * j of the word: k = j of the sub-block
+            u |= ((words >> (torch.arange(sub) * high).view(-1, 1)) & ((1 << high) - 1)) << 4
+        codes.append(u)
     assert start == records.shape[-1]
+    u = torch.stack(codes, dim=2)  # [panels, records, sub-blocks, sub, 16]
+    scale = (d * torch.cat(scales, dim=2) if scales else d).unsqueeze(3)
+    # numpy's (d sc) u - dmin mn, or (d sc) (u - offset)
+    w = scale * u.float() - (dmin * torch.cat(mins, dim=2)).unsqueeze(3) if has_min else scale * (u - offset).float()
 
-    def by_lane(t: torch.Tensor) -> torch.Tensor:  # [panels, records, rows, 16] -> [panels * 16, ...]
-        return t.permute(0, 3, 1, 2).reshape(panels * 16, -1)
+    def by_lane(t: torch.Tensor) -> torch.Tensor:  # [panels, records, ..., 16] -> [panels * 16, ...]
+        return t.movedim(-1, 1).reshape(panels * 16, -1)
 
     assert not any(
         by_lane(p.view(torch.uint8) if p.element_size() == 1 else p.view(torch.int32))[n:].any() for p in parts

@@ -72,13 +72,16 @@ constexpr Record record_of(int64_t format) {
   }
 }
 
-// A compact record holds one ggml block (`unit` k: 256, Q5_0's 32) of 16 outputs, in this order:
-//   low nibbles  u8 [unit / 2][16]: byte = (u[2p] & 15) | (u[2p + 1] & 15) << 4 for k-pair p, as q4's
-//   high bits    u32 [unit * high / 32][16] (if high): word w of an output holds the bits past the nibble of
-//                its k = 32 w / high + j at bits high * j, j < 32 / high: one load brings 16 outputs' high
-//                bits of 32 / high k, and each k's are one shift and one and away from bit 4 of its code
-//   sub scales   u8 (q6k: i8) [unit / sub][16] (if sub < unit), then mins u8 [unit / sub][16] (if has_min)
-//   d            float [16], the block's fp16 d widened; then dmin float [16] (if has_min)
+// A compact record holds one ggml block (`unit` k: 256, Q5_0's 32) of 16 outputs, in the order the GEMM
+// reads it, front to back (with the scales at the record's end, read first, q4k streamed at 2/3 of this
+// speed: the kernel's prefetches run ahead in address order): float d[16], the block's fp16 d widened (then
+// dmin[16], with a min); then its sub-blocks of `sub` k (Q5_0: one), each
+//   scales       u8 [16] (q6k: i8), the sub-block's scale of each output (if sub < unit), then with a min
+//                its mins, u8 [16]
+//   high bits    u32 [16] (if high): an output's word holds the bits past the nibble of its k = j of the
+//                sub-block at bits high * j (sub = 32 / high k): one load brings 16 outputs' high bits of
+//                the sub-block, and each k's are one shift and one and away from bit 4 of its code
+//   low nibbles  u8 [sub / 2][16]: byte = (u[2p] & 15) | (u[2p + 1] & 15) << 4 for k-pair p, as q4's
 // The weight of code u in sub-block s: with a min (q4k, q5k) fma(u, d sc, -(dmin mn)): d sc and dmin mn are
 // exact in fp32 (11 + 6 significant bits), so is u (d sc) (+ 5), and the one rounding is numpy's
 // (d sc) u - dmin mn; without one (q6k, q5) (d sc) (u - offset), exact (11 + 7 + 5 = 23 bits at most) as
@@ -89,12 +92,12 @@ struct Compact {
   bool has_min;
   int offset;    // subtracted from a code without a min (Q6_K: 32, Q5_0: 16)
 
-  constexpr int64_t sub_blocks() const { return sub < unit ? unit / sub : 0; }  // scale bytes per output
-  constexpr int64_t high_at() const { return unit / 2 * kPanel; }
-  constexpr int64_t scales_at() const { return high_at() + unit * high / 32 * kPanel * 4; }
-  constexpr int64_t mins_at() const { return scales_at() + sub_blocks() * kPanel; }
-  constexpr int64_t d_at() const { return mins_at() + (has_min ? sub_blocks() * kPanel : 0); }
-  constexpr int64_t bytes() const { return d_at() + (has_min ? 2 : 1) * kPanel * static_cast<int64_t>(sizeof(float)); }
+  // Byte offsets: of the first sub-block in a record; of the parts in a sub-block
+  constexpr int64_t head() const { return (has_min ? 2 : 1) * kPanel * static_cast<int64_t>(sizeof(float)); }
+  constexpr int64_t high_at() const { return sub < unit ? (has_min ? 2 : 1) * kPanel : 0; }
+  constexpr int64_t codes_at() const { return high_at() + (high > 0 ? kPanel * 4 : 0); }
+  constexpr int64_t sub_bytes() const { return codes_at() + sub / 2 * kPanel; }
+  constexpr int64_t bytes() const { return head() + unit / sub * sub_bytes(); }
 };
 
 constexpr Compact compact_of(int64_t format) {
@@ -107,6 +110,9 @@ constexpr Compact compact_of(int64_t format) {
 }
 static_assert(compact_of(kQ4K).bytes() == 2432 && compact_of(kQ6K).bytes() == 3392 &&
               compact_of(kQ5).bytes() == 384 && compact_of(kQ5K).bytes() == 2944);
+// one high-bits word per output and sub-block
+static_assert(compact_of(kQ6K).high * compact_of(kQ6K).sub == 32 && compact_of(kQ5).high * compact_of(kQ5).sub == 32 &&
+              compact_of(kQ5K).high * compact_of(kQ5K).sub == 32);
 
 // A decoded block: one code per weight, d and m per group of the wide format; and for the compact formats the
 // file's scales: the block's d (and dmin), each sub-block's integer scale (and min).
@@ -376,7 +382,6 @@ void pack_blocks(const GgmlType& t, const uint8_t* rows, int64_t row_bytes, int6
 template <int64_t F>
 void pack_compact(const GgmlType& t, const uint8_t* rows, int64_t row_bytes, int64_t lanes, int64_t k, uint8_t* out) {
   constexpr Compact c = compact_of(F);
-  constexpr int64_t per_word = c.high ? 32 / c.high : 1;  // k per high-bits word
   Block block;
   for (int64_t b = 0; b < k / c.unit; ++b) {
     uint8_t* record = out + b * c.bytes();
@@ -385,19 +390,25 @@ void pack_compact(const GgmlType& t, const uint8_t* rows, int64_t row_bytes, int
       // the file's unsigned codes: the wide decoders subtract the offset of a format without a min
       uint8_t u[kQK];
       for (int64_t i = 0; i < c.unit; ++i) u[i] = static_cast<uint8_t>(block.q[i] + c.offset);
-      for (int64_t pair = 0; pair < c.unit / 2; ++pair)
-        record[pair * kPanel + lane] = static_cast<uint8_t>((u[2 * pair] & 0x0F) | (u[2 * pair + 1] & 0x0F) << 4);
-      for (int64_t w = 0; w < c.unit * c.high / 32; ++w) {
-        uint32_t word = 0;
-        for (int64_t j = 0; j < per_word; ++j) word |= static_cast<uint32_t>(u[w * per_word + j] >> 4) << (c.high * j);
-        std::memcpy(record + c.high_at() + (w * kPanel + lane) * 4, &word, sizeof(word));
+      std::memcpy(record + lane * sizeof(float), &block.block_d, sizeof(float));
+      if (c.has_min) std::memcpy(record + (kPanel + lane) * sizeof(float), &block.block_dmin, sizeof(float));
+      for (int64_t s = 0; s < c.unit / c.sub; ++s) {
+        uint8_t* part = record + c.head() + s * c.sub_bytes();
+        const uint8_t* su = u + s * c.sub;  // the sub-block's codes
+        if (c.sub < c.unit) {
+          part[lane] = static_cast<uint8_t>(block.scale[s]);
+          if (c.has_min) part[kPanel + lane] = block.min[s];
+        }
+        if (c.high > 0) {
+          uint32_t word = 0;
+          for (int64_t j = 0; j < c.sub; ++j) word |= static_cast<uint32_t>(su[j] >> 4) << (c.high * j);
+          std::memcpy(part + c.high_at() + lane * sizeof(word), &word, sizeof(word));
+        }
+        for (int64_t pair = 0; pair < c.sub / 2; ++pair) {
+          const int low = su[2 * pair] & 0x0F, high = su[2 * pair + 1] & 0x0F;
+          part[c.codes_at() + pair * kPanel + lane] = static_cast<uint8_t>(low | high << 4);
+        }
       }
-      for (int64_t s = 0; s < c.sub_blocks(); ++s) {
-        record[c.scales_at() + s * kPanel + lane] = static_cast<uint8_t>(block.scale[s]);
-        if (c.has_min) record[c.mins_at() + s * kPanel + lane] = block.min[s];
-      }
-      std::memcpy(record + c.d_at() + lane * sizeof(float), &block.block_d, sizeof(float));
-      if (c.has_min) std::memcpy(record + c.d_at() + (kPanel + lane) * sizeof(float), &block.block_dmin, sizeof(float));
     }
   }
 }
