@@ -91,7 +91,13 @@ class EngineConfig:
     kv_events_endpoint: str | None = _option(
         None,
         "ZMQ address to publish KV cache events on, in vLLM's format, for KV-aware routers (e.g. "
-        "tcp://127.0.0.1:5557 or ipc:///tmp/pagedkv-kv-events; needs pyzmq); off by default",
+        "tcp://127.0.0.1:5557 or ipc://$XDG_RUNTIME_DIR/pagedkv-kv-events; needs pyzmq); only loopback or an "
+        "owner-only IPC socket unless kv_events_allow_remote; off by default",
+    )
+    kv_events_allow_remote: bool = _option(
+        False,
+        "let kv_events_endpoint be any address: the events carry the token ids of every prompt without a "
+        "cache_salt, readable by whoever can connect (the socket has no authentication)",
     )
     dtype: str | None = _option(None, "deprecated: use weight_format ('q4' is now 'gguf')", deprecated=True)
     linear_backend: str | None = _option(None, "deprecated: use kernels (panel: True, torch: False)", deprecated=True)

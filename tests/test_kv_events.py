@@ -8,13 +8,24 @@ vLLM's subscriber example) and arrive on a ZMQ SUB socket in sequence.
 
 from __future__ import annotations
 
+import os
 import random
+import stat
 import struct
 
 import pytest
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, as_wire, packb
+from pagedkv.kv.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVEventPublisher,
+    as_wire,
+    check_endpoint,
+    packb,
+)
 from pagedkv.kv.hashing import hash_block
 from tests.tiny_model import save_tiny_llama
 
@@ -79,12 +90,8 @@ class Router:
             self.counts[type(event).__name__] += 1
             if isinstance(event, BlockStored):
                 assert event.block_size == self.block_size and event.medium == "GPU"
-                assert len(event.token_ids) == self.block_size * len(event.block_hashes)
-                parent = event.parent_block_hash
-                for i, block_hash in enumerate(event.block_hashes):  # each hash follows from parent + tokens
-                    tokens = event.token_ids[i * self.block_size : (i + 1) * self.block_size]
-                    assert hash_block(parent, tokens) == block_hash
-                    parent = block_hash
+                if event.token_ids:  # a salted request's blocks come without them
+                    self._check_hashes(event)
                 assert not self.hashes & set(event.block_hashes), "stored twice without a removal"
                 self.hashes.update(event.block_hashes)
             elif isinstance(event, BlockRemoved):
@@ -93,6 +100,15 @@ class Router:
             else:
                 assert isinstance(event, AllBlocksCleared)
                 self.hashes.clear()
+
+    def _check_hashes(self, event: BlockStored) -> None:
+        """Each hash follows from its parent's and its tokens."""
+        assert len(event.token_ids) == self.block_size * len(event.block_hashes)
+        parent = event.parent_block_hash
+        for i, block_hash in enumerate(event.block_hashes):
+            tokens = event.token_ids[i * self.block_size : (i + 1) * self.block_size]
+            assert hash_block(parent, tokens) == block_hash
+            parent = block_hash
 
 
 def _pool_keys(llm: LLM) -> set[bytes]:
@@ -192,3 +208,89 @@ def test_the_zmq_socket_publishes_each_steps_batch_in_sequence(tiny, tmp_path):
     assert sequence == list(range(sequence[0], sequence[0] + len(seen)))
     assert all(topic == b"" for topic, _, _ in frames)
     assert [msgpack.unpackb(payload) for _, _, payload in frames] == [as_wire(batch) for batch in seen]
+
+
+# -- not a side channel (issue 25 row 10): who can connect, and what a salted request publishes -----------------
+
+REFUSED_ENDPOINTS = [
+    "tcp://0.0.0.0:5557",
+    "tcp://*:5557",
+    "tcp://[::]:5557",
+    "tcp://192.0.2.1:5557",
+    "tcp://example.com:5557",
+    "tcp://lo;127.0.0.1:5557",  # ZMQ's source-address form: not checked, so refused
+    "tcp://127.0.0.1",
+    "ipc://@pagedkv-abstract",  # abstract sockets have no permissions
+    "ipc://*",
+    "pgm://eth0;239.192.1.1:5555",
+    "inproc://kv",
+]
+
+
+@pytest.mark.parametrize("endpoint", REFUSED_ENDPOINTS)
+def test_an_endpoint_others_can_reach_is_refused_naming_the_option(endpoint):
+    with pytest.raises(ValueError, match="kv_events_allow_remote"):
+        check_endpoint(endpoint, allow_remote=False)
+    check_endpoint(endpoint, allow_remote=True)  # said explicitly: allowed
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:0", "tcp://127.0.0.2:0", "tcp://localhost:0", "tcp://[::1]:0"])
+def test_loopback_endpoints_bind(endpoint):
+    pytest.importorskip("zmq")
+    publisher = KVEventPublisher(endpoint)
+    try:
+        assert publisher.endpoint.startswith(("tcp://127.", "tcp://[::1]:"))
+    finally:
+        publisher.close()
+
+
+def test_an_ipc_socket_is_owner_only_whatever_the_umask(tmp_path):
+    pytest.importorskip("zmq")
+    path = tmp_path / "kv-events"
+    old = os.umask(0)  # a careless umask: the socket would be mode 0777
+    try:
+        publisher = KVEventPublisher(f"ipc://{path}")
+    finally:
+        os.umask(old)
+    try:
+        info = path.lstat()
+        assert stat.S_ISSOCK(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600
+    finally:
+        publisher.close()
+
+
+def test_an_ipc_socket_in_a_directory_others_can_write_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # others could swap the socket file
+    with pytest.raises(ValueError, match=r"others can write .*kv_events_allow_remote"):
+        check_endpoint(f"ipc://{shared}/kv-events", allow_remote=False)
+    shared.chmod(0o1777)  # sticky, like /tmp: others cannot remove or replace our file
+    check_endpoint(f"ipc://{shared}/kv-events", allow_remote=False)
+
+
+def test_a_refused_endpoint_fails_before_the_model_loads(tiny, monkeypatch):
+    def load_model(*_, **__):
+        raise AssertionError("the model loaded before the endpoint was checked")
+
+    monkeypatch.setattr("pagedkv.engine.engine.load_model", load_model)
+    with pytest.raises(ValueError, match="kv_events_allow_remote"):
+        LLM(model=tiny, kv_events_endpoint="tcp://0.0.0.0:0")
+
+
+def test_a_salted_requests_events_carry_hashes_but_no_token_ids(tiny):
+    llm = LLM(model=tiny, num_kv_blocks=64)
+    router = Router(16)
+    seen: list[KVEventBatch] = []
+    llm.subscribe_kv_events(seen.append)
+    llm.subscribe_kv_events(router)
+    prompt = _prompts(seed=5, n=1)
+    llm.generate(prompt_token_ids=prompt, sampling_params=PARAMS, use_tqdm=False, cache_salt="tenant-a")
+    salted = [e for b in seen for e in b.events if isinstance(e, BlockStored)]
+    assert salted and all(e.block_hashes and e.token_ids == [] for e in salted)
+    assert router.hashes == _pool_keys(llm)  # a router still knows every block, salted ones too
+    seen.clear()
+    llm.generate(prompt_token_ids=prompt, sampling_params=PARAMS, use_tqdm=False)  # the same prompt, unsalted
+    plain = [e for b in seen for e in b.events if isinstance(e, BlockStored)]
+    assert plain and all(len(e.token_ids) == 16 * len(e.block_hashes) for e in plain)
+    assert not {h for e in plain for h in e.block_hashes} & {h for e in salted for h in e.block_hashes}

@@ -33,7 +33,7 @@ from pagedkv.errors import InvalidParameter
 from pagedkv.kv.disk_files import prepare_directory
 from pagedkv.kv.disk_fingerprint import engine_fingerprint
 from pagedkv.kv.disk_tier import DiskTier
-from pagedkv.kv.events import KVEventBatch, KVEventPublisher, KVEventRecorder
+from pagedkv.kv.events import KVEventBatch, KVEventPublisher, KVEventRecorder, check_endpoint
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.ops import KV_DTYPES
 from pagedkv.model.loader import default_model_path, load_model, model_directory
@@ -51,6 +51,8 @@ class LLMEngine:
         self.config = config
         if config.kv_cache_dir is not None:  # refused in a moment, before the model loads, not minutes after
             prepare_directory(config.kv_cache_dir)
+        if config.kv_events_endpoint is not None:  # the same
+            check_endpoint(config.kv_events_endpoint, config.kv_events_allow_remote)
         torch.set_num_threads(workers.rank_threads(config))
         self.attention = select_backend(config.attention_backend)
         self.kernels = kernels.use_kernels(config.kernels)
@@ -88,7 +90,9 @@ class LLMEngine:
         if config.kv_cache_dir is not None:
             self.disk = self._open_disk_tier(config)
         self.core = EngineCore(self.scheduler, self.runner, Sampler(eos_token_ids=self.eos_token_ids))
-        self.core.kv_events = self.kv_events = KVEventPublisher(config.kv_events_endpoint)
+        self.core.kv_events = self.kv_events = KVEventPublisher(
+            config.kv_events_endpoint, config.kv_events_allow_remote
+        )
         if self.kv_events.endpoint is not None:
             self.kv.record_events(KVEventRecorder(config.block_size))
             weakref.finalize(self, self.kv_events.close)

@@ -90,6 +90,12 @@ class Request:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def event_token_ids(self) -> list[int]:
+        """The token ids KV events may publish with this request's blocks: none with a cache_salt -- a tenant
+        that asked for its own cache keeps its prompt to itself; the block hashes still let a router route."""
+        return [] if self.cache_salt is not None else self.token_ids
+
+    @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[: self.num_prompt_tokens]
 

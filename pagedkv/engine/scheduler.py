@@ -120,7 +120,12 @@ class Scheduler:
     def _allocate(self, request: Request, num_tokens: int, prefix: PrefixHit | None = None) -> bool:
         """Blocks for ``num_tokens``; the KV manager first caches the blocks full of computed tokens."""
         return self.kv.allocate(
-            request.request_id, num_tokens, prefix, request.block_keys, request.num_computed_tokens, request.token_ids
+            request.request_id,
+            num_tokens,
+            prefix,
+            request.block_keys,
+            request.num_computed_tokens,
+            request.event_token_ids,
         )
 
     def _draft_length(self) -> int:
@@ -165,7 +170,7 @@ class Scheduler:
             if scorer is not None and not (scorer.prompt_scored or scorer.is_finished):
                 deferred.append(request)  # its prompt's logprobs come first (see Request.scorer)
                 continue
-            self.kv.load_from_disk(request.block_keys, request.num_tokens, request.token_ids)  # kv_cache_dir
+            self.kv.load_from_disk(request.block_keys, request.num_tokens, request.event_token_ids)  # kv_cache_dir
             hit = self.kv.find_cached_prefix(request.block_keys, request.num_tokens)
             first_new_block = len(hit.block_ids)
             if first_new_block < len(request.block_keys) and request.block_keys[first_new_block] in in_flight:
@@ -204,7 +209,7 @@ class Scheduler:
         }
 
     def _preempt(self, request: Request) -> None:
-        self.kv.free(request.request_id, request.block_keys, request.num_computed_tokens, request.token_ids)
+        self.kv.free(request.request_id, request.block_keys, request.num_computed_tokens, request.event_token_ids)
         request.num_computed_tokens = 0
         self.waiting.appendleft(request)
         self.counters["num_preemptions"] += 1
@@ -314,7 +319,7 @@ class Scheduler:
             return
         request.finish_reason = reason
         request.stop_reason = stop_reason
-        self.kv.free(request.request_id, request.block_keys, request.num_computed_tokens, request.token_ids)
+        self.kv.free(request.request_id, request.block_keys, request.num_computed_tokens, request.event_token_ids)
         self.requests.pop(request.request_id, None)
         if reason in ("stop", "length"):
             self.counters["requests_finished"] += 1

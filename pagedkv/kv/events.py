@@ -15,11 +15,22 @@ subscriber example and routers decode unchanged. Hashes are the prefix cache's 3
 block pool, whatever the device, so routers weigh our hits like a vLLM replica's. vLLM's replay socket
 (resending missed batches by sequence number) is not implemented: a subscriber that misses a batch
 should resynchronise on the next ``AllBlocksCleared`` or by restarting the engine.
+
+The socket has no authentication, and ``BlockStored`` carries the prompts' token ids, so whoever can connect
+reads every prompt. ``check_endpoint`` therefore refuses, before the model loads, any endpoint but a loopback
+TCP address or an IPC socket in a directory that others cannot write (an abstract ``ipc://@name`` has no
+permissions at all), unless ``kv_events_allow_remote`` says the exposure is intended; the publisher binds an
+IPC socket owner-only and checks the file after the bind. And a request with a ``cache_salt`` (a tenant that
+asked for its own cache) never puts token ids in an event: its ``BlockStored`` has the block hashes, which
+a router needs to route, and ``token_ids`` empty (``Request.event_token_ids``).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
+import stat
 import struct
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +41,89 @@ from pagedkv.kv.hashing import BlockKey
 logger = logging.getLogger(__name__)
 
 MEDIUM = "GPU"
+ALLOW_OPTION = "kv_events_allow_remote"
+_HOW = (
+    "use tcp://127.0.0.1:PORT, tcp://[::1]:PORT, tcp://localhost:PORT or ipc:///PATH in a directory only you can "
+    f"write, or set {ALLOW_OPTION}=True (--kv-events-allow-remote) to publish every prompt's token ids to "
+    "whoever can connect"
+)
+
+
+def check_endpoint(endpoint: str, allow_remote: bool) -> None:
+    """Refuse an endpoint that would let other users or machines read the prompts' token ids; ValueError
+    naming the option and what to change. Runs before the model loads, so a bad one fails in a moment."""
+    if allow_remote:
+        return
+    if endpoint.startswith("tcp://"):
+        host = _tcp_host(endpoint)
+        if host is None or not _is_loopback(host):
+            raise ValueError(f"kv_events_endpoint {endpoint!r} is not a loopback address: {_HOW}")
+    elif endpoint.startswith("ipc://"):
+        _check_ipc_directory(endpoint, endpoint.removeprefix("ipc://"))
+    else:
+        raise ValueError(f"kv_events_endpoint {endpoint!r}: only tcp:// and ipc:// endpoints are checked; {_HOW}")
+
+
+def _tcp_host(endpoint: str) -> str | None:
+    """The host of ``tcp://HOST:PORT`` (brackets kept off an IPv6 address); None for ZMQ's other forms
+    (``tcp://IFACE;HOST:PORT``, a missing port), which are not checked."""
+    address = endpoint.removeprefix("tcp://")
+    if ";" in address or ":" not in address:
+        return None
+    host = address.rsplit(":", 1)[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def _is_loopback(host: str) -> bool:
+    """``localhost`` or a literal loopback address; any other name could resolve anywhere."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_ipc_directory(endpoint: str, path: str) -> None:
+    """An IPC socket's directory must be this user's (or root's) and writable by no one else, unless it is
+    sticky like /tmp: elsewhere another user could swap the socket file. The socket itself is made
+    owner-only by ``KVEventPublisher``."""
+    if path.startswith("@") or path in ("", "*"):
+        raise ValueError(
+            f"kv_events_endpoint {endpoint!r}: an abstract or wildcard IPC name has no permissions; {_HOW}"
+        )
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        info = os.stat(directory)
+    except OSError as exc:
+        raise ValueError(f"kv_events_endpoint {endpoint!r}: its directory {directory} is unusable ({exc})") from exc
+    if info.st_uid not in (os.geteuid(), 0):
+        raise ValueError(f"kv_events_endpoint {endpoint!r}: its directory {directory} belongs to another user; {_HOW}")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
+        raise ValueError(
+            f"kv_events_endpoint {endpoint!r}: others can write its directory {directory} "
+            f"(mode {stat.S_IMODE(info.st_mode):o}); {_HOW}"
+        )
+
+
+def _make_owner_only(endpoint: str) -> None:
+    """After the bind: an IPC socket file becomes mode 0600 and must be a socket of this user's; a TCP
+    endpoint must have resolved to a loopback address. ValueError otherwise."""
+    if endpoint.startswith("tcp://"):
+        host = _tcp_host(endpoint)
+        if host is None or not _is_loopback(host):
+            raise ValueError(f"kv_events_endpoint bound to {endpoint!r}, which is not a loopback address: {_HOW}")
+        return
+    path = endpoint.removeprefix("ipc://")
+    try:
+        info = os.lstat(path)
+        if stat.S_ISSOCK(info.st_mode) and info.st_uid == os.geteuid():
+            os.chmod(path, 0o600)  # a socket, not a symlink: chmod acts on this very file
+            info = os.lstat(path)
+    except OSError as exc:
+        raise ValueError(f"kv_events_endpoint {endpoint!r}: the socket file is unusable ({exc}); {_HOW}") from exc
+    if not stat.S_ISSOCK(info.st_mode) or info.st_uid != os.geteuid() or stat.S_IMODE(info.st_mode) & 0o077:
+        raise ValueError(f"kv_events_endpoint {endpoint!r}: the socket file could not be made owner-only; {_HOW}")
 
 
 @dataclass(slots=True)
@@ -131,9 +225,12 @@ class KVEventRecorder:
 
 
 class KVEventPublisher:
-    """Sends each step's events, as one batch, to the subscribers and the ZMQ socket (if any)."""
+    """Sends each step's events, as one batch, to the subscribers and the ZMQ socket (if any).
 
-    def __init__(self, endpoint: str | None = None) -> None:
+    ``allow_remote``: bind ``endpoint`` as given (see ``check_endpoint``); otherwise an IPC socket is created
+    under umask 077 (no moment with others able to connect) and checked owner-only after the bind."""
+
+    def __init__(self, endpoint: str | None = None, allow_remote: bool = False) -> None:
         self._subscribers: list[Callable[[KVEventBatch], None]] = []
         self._seq = 0
         self._socket = None
@@ -143,10 +240,23 @@ class KVEventPublisher:
                 import zmq
             except ImportError as exc:
                 raise ImportError("kv_events_endpoint needs pyzmq: pip install 'pagedkv[events]'") from exc
+            check_endpoint(endpoint, allow_remote)
             self._socket = zmq.Context.instance().socket(zmq.PUB)
             self._socket.setsockopt(zmq.LINGER, 0)
-            self._socket.bind(endpoint)
+            if endpoint.startswith("tcp://") and ":" in (_tcp_host(endpoint) or ""):
+                self._socket.setsockopt(zmq.IPV6, 1)  # ZMQ binds an IPv6 address only when told to
+            umask = os.umask(0o077)  # process-wide for this moment: files made meanwhile are only more private
+            try:
+                self._socket.bind(endpoint)
+            finally:
+                os.umask(umask)
             self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)  # the port, if "tcp://...:0"
+            if not allow_remote:
+                try:
+                    _make_owner_only(self.endpoint)
+                except ValueError:
+                    self.close()
+                    raise
             self._noblock = zmq.NOBLOCK
             self._again = zmq.Again
 
