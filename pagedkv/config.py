@@ -16,6 +16,8 @@ from pagedkv.attention.backend import BACKENDS
 from pagedkv.kv.ops import KV_DTYPES
 from pagedkv.model.layers import WEIGHT_FORMATS
 
+MAX_TOKENS_POLICIES = ("reject", "clamp")
+
 # old name -> (new name, old value -> new value)
 _DEPRECATED = {
     "dtype": ("weight_format", {"float32": "float32", "bfloat16": "bfloat16", "q4": "gguf"}),
@@ -53,6 +55,12 @@ class EngineConfig:
     max_num_seqs: int = _option(64, "most requests in one step")
     max_num_batched_tokens: int = _option(2048, "most tokens in one step (prompts are cut into chunks to fit)")
     max_model_len: int | None = _option(None, "longest context, prompt and output (default: the model's own)")
+    max_tokens_policy: str = _option(
+        "reject",
+        "a request whose prompt + max_tokens exceeds max_model_len: reject (a ValueError; the server's 400, in "
+        "vLLM's words) or clamp (generate until the context is full, finish_reason 'length')",
+        choices=MAX_TOKENS_POLICIES,
+    )
     enable_prefix_caching: bool = _option(True, "reuse the KV blocks of identical prompt prefixes")
     attention_backend: str | None = _option(
         None,
@@ -123,6 +131,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_tokens_policy not in MAX_TOKENS_POLICIES:
+            raise ValueError(f"max_tokens_policy must be one of {MAX_TOKENS_POLICIES}, got {self.max_tokens_policy!r}")
         if self.attention_backend is not None and self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS} or None, got {self.attention_backend!r}")
         if self.kernels is not None and not isinstance(self.kernels, bool):

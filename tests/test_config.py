@@ -24,6 +24,7 @@ def test_every_field_says_what_it_does():
         "weight_format": tuple(WEIGHT_FORMATS),
         "attention_backend": BACKENDS,
         "kv_cache_dtype": tuple(KV_DTYPES),
+        "max_tokens_policy": ("reject", "clamp"),
     }
 
 
@@ -35,6 +36,7 @@ def test_every_field_says_what_it_does():
         ({"kernels": "panel"}, "kernels must be True, False or None"),
         ({"dtype": "fp16"}, "dtype must be one of"),
         ({"linear_backend": "mkl"}, "linear_backend must be one of"),
+        ({"max_tokens_policy": "truncate"}, r"max_tokens_policy must be one of \('reject', 'clamp'\)"),
     ],
 )
 def test_bad_values_are_refused(options, message):

@@ -221,6 +221,8 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}: shorten the "
                 f"prompt (it must leave room for at least one generated token) or raise max_model_len",
             )
+        if params.max_tokens is not None:
+            self._check_context(len(token_ids), params.max_tokens)
         max_tokens = self.max_model_len - len(token_ids) if params.max_tokens is None else params.max_tokens
         needed = min(len(token_ids) + max_tokens, self.max_model_len)
         capacity = self.kv.num_total_blocks * self.kv.block_size
@@ -231,6 +233,21 @@ class LLMEngine:
                 f"({self.kv.num_total_blocks} blocks of {self.kv.block_size}): lower max_tokens, shorten the "
                 f"prompt, or raise num_kv_blocks / kv_cache_memory_gb",
             )
+
+    def _check_context(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Prompt + max_tokens must fit max_model_len, as vLLM's server checks it, in its words (clients match
+        on "maximum context length"): a client asking for 10^12 tokens is told so instead of getting whatever
+        fits. ``max_tokens_policy="clamp"`` lets it run until the context is full (the scheduler stops it)."""
+        requested = num_prompt_tokens + max_tokens
+        if requested <= self.max_model_len or self.config.max_tokens_policy == "clamp":
+            return
+        raise InvalidParameter(
+            "max_tokens",
+            f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+            f"{requested} tokens ({num_prompt_tokens} in the messages, {max_tokens} in the completion). Please "
+            f"reduce the length of the messages or completion: max_tokens may be at most "
+            f"{self.max_model_len - num_prompt_tokens} for this prompt.",
+        )
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and give its blocks back. False if it is unknown or already done."""
