@@ -33,7 +33,7 @@ from pagedkv.engine.async_client import AsyncEngine
 from pagedkv.engine.metrics import ServerMetrics
 from pagedkv.entrypoints.kv_page import KV_PATHS, KVAuthRequired, add_kv_routes, basic_auth_matches
 from pagedkv.entrypoints.limits import ServerLimits
-from pagedkv.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from pagedkv.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, echoed
 from pagedkv.entrypoints.responses import ModelCard, ModelList
 from pagedkv.entrypoints.serving import ServingContext
 from pagedkv.entrypoints.serving_chat import create_chat_completion
@@ -102,7 +102,7 @@ class RequestGate:
         host = headers.get("host")
         if self.loopback_only and host is not None and not is_loopback(_host_name(host)):
             error = APIError(
-                421, f"this server answers only to loopback host names, not {host[:100]!r}", code="misdirected_request"
+                421, f"this server answers only to loopback host names, not {echoed(host)}", code="misdirected_request"
             )
         if error is None and self.expected and scope["path"] != "/health":
             given = headers.get("authorization", "").encode()

@@ -53,6 +53,16 @@ GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choi
 GRAMMAR_FIELDS = ("response_format", "structured_outputs", *GUIDED)
 
 
+MAX_ECHOED_CHARS = 100
+
+
+def echoed(value: Any) -> str:
+    """A client's value as an error message may quote it: its repr, cut to ``MAX_ECHOED_CHARS``. Enough to
+    recognise it; a 1 MiB model name must not come back as a 1 MiB error (nor fill the server's log)."""
+    text = repr(value)
+    return text if len(text) <= MAX_ECHOED_CHARS else f"{text[:MAX_ECHOED_CHARS]}... ({len(text)} characters)"
+
+
 class APIError(Exception):
     """An error with an HTTP status and the OpenAI error body ``{"error": {message, type, param, code}}``."""
 
@@ -216,7 +226,8 @@ class ChatMessage(BaseModel):
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise APIError(
                         400,
-                        f"messages[{index}].content: only text parts are supported, got type {part.get('type')!r}",
+                        f"messages[{index}].content: only text parts are supported, "
+                        f"got type {echoed(part.get('type'))}",
                         param=f"messages[{index}].content",
                     )
                 parts.append(part["text"])

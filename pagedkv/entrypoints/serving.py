@@ -25,7 +25,7 @@ from pagedkv.engine.async_client import (
 )
 from pagedkv.engine.request import CompletionOutput, RequestOutput
 from pagedkv.entrypoints.limits import ServerLimits
-from pagedkv.entrypoints.protocol import APIError, value_error
+from pagedkv.entrypoints.protocol import APIError, echoed, value_error
 from pagedkv.entrypoints.responses import (
     ChatLogprobs,
     CompletionLogprobs,
@@ -57,7 +57,7 @@ class ServingContext:
         if model is not None and model != self.model_name:
             raise APIError(
                 404,
-                f"The model `{model}` does not exist; this server serves `{self.model_name}`",
+                f"The model {echoed(model)} does not exist; this server serves {self.model_name!r}",
                 param="model",
                 code="model_not_found",
             )

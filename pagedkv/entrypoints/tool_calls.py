@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.engine.prompts import EnginePrompt
-from pagedkv.entrypoints.protocol import APIError, ChatMessage
+from pagedkv.entrypoints.protocol import APIError, ChatMessage, echoed
 from pagedkv.entrypoints.responses import FunctionCall, ToolCallResponse
 from pagedkv.structured import StructuredOutputsParams, lark_json
 
@@ -180,7 +180,7 @@ def _choice(tool_choice: Any, names: list[str]) -> str:
             param="tool_choice",
         )
     if name not in names:
-        raise APIError(400, f"tool_choice names {name!r}, which is not one of the tools", param="tool_choice")
+        raise APIError(400, f"tool_choice names {echoed(name)}, which is not one of the tools", param="tool_choice")
     return name
 
 
