@@ -5,14 +5,16 @@ Requests accept unknown fields (clients such as the ``openai`` package send extr
 the legacy ``functions``, ...): a client that asks for a feature must hear that it is missing rather than get a
 plausible wrong answer. Structured outputs come as ``response_format``, ``structured_outputs`` or ``guided_*``.
 Sampling values are range-checked by ``SamplingParams``, whose messages name the field; pydantic here
-only checks types, so every range rule lives in one place.
+only checks types, so every range rule lives in one place. Those types are strict where the OpenAI API says
+integer, number or boolean: pydantic's lax mode would read ``true`` as 1, ``"5"`` as 5 and ``1`` as true,
+so a client's mistake would run as some other request instead of being refused.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
 
 from pagedkv.sampling import SamplingParams
 from pagedkv.structured import StructuredOutputsParams
@@ -87,7 +89,7 @@ class APIError(Exception):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _SamplingRequest(BaseModel):
@@ -96,23 +98,23 @@ class _SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
+    n: StrictInt = 1
+    temperature: StrictFloat | None = None  # StrictFloat takes an integer too, as JSON's number does
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | None = None
+    seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    skip_special_tokens: bool | None = None
-    include_stop_str_in_output: bool | None = None
-    prompt_logprobs: int | None = None  # vLLM's extra field: the prompt tokens' logprobs and top-k
-    stream: bool = False
+    stop_token_ids: list[StrictInt] | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
+    min_tokens: StrictInt = 0
+    ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    prompt_logprobs: StrictInt | None = None  # vLLM's extra field: the prompt tokens' logprobs and top-k
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
 
@@ -179,9 +181,9 @@ class _SamplingRequest(BaseModel):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False  # the prompt comes back before the completion (with logprobs: scored, first token None)
+    max_tokens: StrictInt | None = 16
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False  # the prompt comes back before the completion (with logprobs: scored, first token None)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -242,10 +244,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
     # Checked by tool_calls.plan_tools, which names the field at fault.
     tools: Any = None
     tool_choice: Any = None
