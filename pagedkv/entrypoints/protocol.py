@@ -253,15 +253,21 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Any = None
     parallel_tool_calls: Any = None
 
+    def param_renames(self) -> dict[str, str]:
+        """This request's names of the sampling parameters whose errors name them: the chat API's logprobs
+        count is ``top_logprobs``, and ``max_completion_tokens`` is ``max_tokens`` when it is given."""
+        renames = {"logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            renames["max_tokens"] = "max_completion_tokens"
+        return renames
+
     def to_sampling_params(self, tool_grammar: StructuredOutputsParams | None = None) -> SamplingParams:
         """``tool_grammar``: the answer format that tool calling asks for (no other grammar may be given)."""
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        renames = {"logprobs": "top_logprobs"}
-        max_tokens = self.max_tokens
-        if self.max_completion_tokens is not None:
-            max_tokens, renames["max_tokens"] = self.max_completion_tokens, "max_completion_tokens"
+        renames = self.param_renames()
+        max_tokens = self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
         if max_tokens == 0:
             raise APIError(
                 400,

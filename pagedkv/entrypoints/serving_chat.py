@@ -51,7 +51,8 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     tool_grammar = tools.structured_outputs() if tools is not None else None
     params = body.to_sampling_params(tool_grammar)
     prompt = [chat_prompt(body.messages, tools, ctx.native_tools)]
-    renames = {"structured_outputs": "tools"} if tool_grammar is not None else body.grammar_renames()
+    grammar = {"structured_outputs": "tools"} if tool_grammar is not None else body.grammar_renames()
+    renames = body.param_renames() | grammar  # the engine's refusals name the fields this request used
     stream = await ctx.start("chatcmpl", prompt, params, body.cache_salt, "messages", body.stream, renames)
     if body.stream:
         events = _stream_events(ctx, stream, body, params.n, tools)
