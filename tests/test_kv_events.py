@@ -13,9 +13,13 @@ import random
 import stat
 import struct
 
+import httpx
 import pytest
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.config import EngineConfig
+from pagedkv.engine.engine import LLMEngine
+from pagedkv.entrypoints.openai_server import build_app
 from pagedkv.kv.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -27,6 +31,7 @@ from pagedkv.kv.events import (
     packb,
 )
 from pagedkv.kv.hashing import hash_block
+from tests.live_server import live_server, wait_idle
 from tests.tiny_model import save_tiny_llama
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0)
@@ -294,3 +299,49 @@ def test_a_salted_requests_events_carry_hashes_but_no_token_ids(tiny):
     plain = [e for b in seen for e in b.events if isinstance(e, BlockStored)]
     assert plain and all(len(e.token_ids) == 16 * len(e.block_hashes) for e in plain)
     assert not {h for e in plain for h in e.block_hashes} & {h for e in salted for h in e.block_hashes}
+
+
+def test_a_live_server_publishes_no_salted_prompt(tiny, tmp_path):
+    """Against a real server on loopback: a subscriber on the owner-only IPC socket sees a salted request's
+    block hashes but none of its token ids, an unsalted one's tokens as before, and no block stays held."""
+    zmq = pytest.importorskip("zmq")
+    msgpack = pytest.importorskip("msgpack")
+    endpoint = f"ipc://{tmp_path}/kv-events"
+    engine = LLMEngine(EngineConfig(model=tiny, num_kv_blocks=64, num_threads=1, kv_events_endpoint=endpoint))
+    assert stat.S_IMODE(os.lstat(tmp_path / "kv-events").st_mode) == 0o600
+    app = build_app(engine, "tiny")
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 300)
+    sub.connect(endpoint)
+    salted, plain = _prompts(seed=6, n=2)
+    body = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    stored: dict[str, list] = {"salted": [], "plain": []}
+    try:
+        with live_server(app) as url:
+            for _ in range(50):  # a PUB socket drops what is sent before the SUB has joined
+                engine.kv_events.publish([AllBlocksCleared()])
+                try:
+                    sub.recv_multipart()
+                    break
+                except zmq.Again:
+                    pass
+            for name, prompt, salt in (("salted", salted, "tenant-a"), ("plain", plain, None)):
+                resp = httpx.post(f"{url}/v1/completions", json=body | {"prompt": prompt, "cache_salt": salt})
+                assert resp.status_code == 200, resp.text
+                while True:  # this request's batches, until the socket is quiet
+                    try:
+                        _, _, payload = sub.recv_multipart()
+                    except zmq.Again:
+                        break
+                    stored[name] += [e for e in msgpack.unpackb(payload)[1] if e[0] == "BlockStored"]
+            stats = wait_idle(app)
+    finally:
+        sub.close()
+        engine.close()
+    # [tag, block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
+    assert stored["salted"] and all(e[1] and e[3] == [] for e in stored["salted"])
+    assert stored["plain"] and all(len(e[3]) == 16 * len(e[1]) for e in stored["plain"])
+    first = next(e for e in stored["plain"] if e[2] is None)
+    assert first[3] == plain[: len(first[3])]
+    assert stats["kv_blocks_used"] == 0
