@@ -27,7 +27,12 @@ def interactive_chat(engine_options: dict, params: SamplingParams, system: str |
             break
         messages.append({"role": "user", "content": user})
         start = time.perf_counter()
-        request_id = engine.add_request(prompt_token_ids=engine.apply_chat_template(messages), params=params)
+        try:
+            request_id = engine.add_request(prompt_token_ids=engine.apply_chat_template(messages), params=params)
+        except ValueError as exc:  # the conversation outgrew the context, say: the session goes on without it
+            print(f"[{exc}]", file=sys.stderr)
+            messages.pop()
+            continue
         answer, cached = "", 0
         while engine.has_unfinished_requests():
             for output in engine.step():
