@@ -96,7 +96,9 @@ def _check_ipc_directory(endpoint: str, path: str) -> None:
     try:
         info = os.stat(directory)
     except OSError as exc:
-        raise ValueError(f"kv_events_endpoint {endpoint!r}: its directory {directory} is unusable ({exc})") from exc
+        raise ValueError(
+            f"kv_events_endpoint {endpoint!r}: its directory {directory} is unusable ({exc}); {_HOW}"
+        ) from exc
     if info.st_uid not in (os.geteuid(), 0):
         raise ValueError(f"kv_events_endpoint {endpoint!r}: its directory {directory} belongs to another user; {_HOW}")
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
@@ -106,7 +108,7 @@ def _check_ipc_directory(endpoint: str, path: str) -> None:
         )
 
 
-def _make_owner_only(endpoint: str) -> None:
+def _secure_bound_endpoint(endpoint: str) -> None:
     """After the bind: an IPC socket file becomes mode 0600 and must be a socket of this user's; a TCP
     endpoint must have resolved to a loopback address. ValueError otherwise."""
     if endpoint.startswith("tcp://"):
@@ -253,7 +255,7 @@ class KVEventPublisher:
             self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)  # the port, if "tcp://...:0"
             if not allow_remote:
                 try:
-                    _make_owner_only(self.endpoint)
+                    _secure_bound_endpoint(self.endpoint)
                 except ValueError:
                     self.close()
                     raise
