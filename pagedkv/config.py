@@ -54,6 +54,11 @@ class EngineConfig:
     )
     max_num_seqs: int = _option(64, "most requests in one step")
     max_num_batched_tokens: int = _option(2048, "most tokens in one step (prompts are cut into chunks to fit)")
+    max_seq_share_per_request: float = _option(
+        0.5,
+        "most of the max_num_seqs running seats that one request (all its n samples) holds while other requests "
+        "wait, as a fraction (0, 1] (at least one seat); seats over it go to the waiting requests",
+    )
     max_model_len: int | None = _option(None, "longest context, prompt and output (default: the model's own)")
     max_tokens_policy: str = _option(
         "reject",
@@ -129,6 +134,11 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not 0 < self.max_seq_share_per_request <= 1:
+            raise ValueError(
+                f"max_seq_share_per_request must be in (0, 1] (a fraction of max_num_seqs), "
+                f"got {self.max_seq_share_per_request!r}"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_tokens_policy not in MAX_TOKENS_POLICIES:

@@ -5,6 +5,10 @@ number of tokens it still has to compute -- one for a decode, the rest of the pr
 gets as many as the step's token budget allows. Running requests go first, so decodes are never starved by
 a long prompt; a long prompt is simply cut into chunks over several steps.
 
+Seats are shared between requests, not samples: waiting requests are admitted the one holding the fewest
+seats first, and a request's n samples hold at most ``max_seqs_per_group`` seats while a request holding
+fewer waits -- seats past that share are preempted for it.
+
 When the pool runs out of blocks, the most recently admitted running request is preempted: its blocks are
 freed and it goes back to the front of the waiting queue. Its full blocks keep their prefix-cache keys, so
 recomputing it later is mostly cache hits.
@@ -17,8 +21,9 @@ stops (stop strings) are the output processor's, which asks for them through ``E
 
 from __future__ import annotations
 
+import heapq
 import logging
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from pagedkv.engine import speculative
@@ -64,6 +69,7 @@ class Scheduler:
         num_speculative_tokens: int,
         max_model_len: int,
         eos_token_ids: frozenset[int],
+        max_seqs_per_group: int,
     ) -> None:
         self.kv = kv
         self.eos_token_ids = eos_token_ids
@@ -71,6 +77,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
+        self.max_seqs_per_group = max_seqs_per_group  # seats one request's n samples hold while others wait
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
@@ -92,6 +99,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
+        self._reclaim_seats()
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted = 0
@@ -116,6 +124,29 @@ class Scheduler:
         if not preempted:
             self._admit_waiting(budget, scheduled)
         return SchedulerOutput(scheduled)
+
+    def _reclaim_seats(self) -> None:
+        """Preempt the newest samples of requests holding more than ``max_seqs_per_group`` seats, as many as
+        the requests waiting below their share need and the free seats do not cover.
+
+        A request alone may use every seat (n=128 on an idle engine runs 64 at a time), but a later request
+        must not wait for those to finish: with max_tokens in the thousands that was minutes without a token
+        (issue 25 row 5). The preempted samples keep their tokens and recompute later (bitwise the same).
+        """
+        cap = self.max_seqs_per_group
+        seats = Counter(r.group_id for r in self.running)
+        waiting = Counter(r.group_id for r in self.waiting)
+        wanted = sum(min(n, cap - seats[g]) for g, n in waiting.items() if seats[g] < cap)
+        shortfall = wanted - (self.max_num_seqs - len(self.running))
+        while shortfall > 0 and seats:
+            group, held = seats.most_common(1)[0]
+            if held <= cap:
+                return
+            victim = next(r for r in reversed(self.running) if r.group_id == group)
+            self.running.remove(victim)
+            self._preempt(victim, "seat share")
+            seats[group] -= 1
+            shortfall -= 1
 
     def _allocate(self, request: Request, num_tokens: int, prefix: PrefixHit | None = None) -> bool:
         """Blocks for ``num_tokens``; the KV manager first caches the blocks full of computed tokens."""
@@ -156,34 +187,52 @@ class Scheduler:
         return drafts
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
-        """Admit waiting requests in arrival order while blocks, budget and seats last.
+        """Admit waiting requests while blocks, budget and seats last, fairly between requests.
+
+        The next seat goes to the waiting request (group of n samples) holding the fewest seats, the earliest
+        in the queue among equals, so one request's samples do not fill every seat ahead of later requests;
+        and none takes more than ``max_seqs_per_group`` seats while a request holding fewer waits (one held
+        back a step below counts: it would take the seat back by preemption next step). Seats are never left
+        idle while requests wait: beyond their shares, requests take the free seats in turn.
 
         A request whose next uncached block is being computed right now by another request (same system
         prompt, or the n samples of one request) waits a step instead: next step that block is a cache hit,
         so a burst of requests sharing a prefix computes it once, not once per request.
         """
         in_flight = self._in_flight_keys()
-        deferred: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting.popleft()
+        seats = Counter(r.group_id for r in self.running)
+        queues: dict[str, deque[Request]] = {}
+        for request in self.waiting:
+            queues.setdefault(request.group_id, deque()).append(request)
+        held_back: set[str] = set()  # groups with a request deferred this step
+        turns = [(seats[group], order, group) for order, group in enumerate(queues)]
+        heapq.heapify(turns)
+        admitted: set[str] = set()
+        while turns and budget > 0 and len(self.running) < self.max_num_seqs:
+            _, order, group = heapq.heappop(turns)
+            queue = queues[group]
+            if seats[group] >= self.max_seqs_per_group and self._below_share(held_back - {group}, seats):
+                continue  # its share is taken while a request below its own waits: its samples stay queued
+            request = queue.popleft()
+            if queue:
+                heapq.heappush(turns, (seats[group] + 1, order, group))  # as if admitted; a deferral lags a turn
             scorer = request.scorer
             if scorer is not None and not (scorer.prompt_scored or scorer.is_finished):
-                deferred.append(request)  # its prompt's logprobs come first (see Request.scorer)
-                continue
+                held_back.add(group)
+                continue  # its prompt's logprobs come first (see Request.scorer)
             self.kv.load_from_disk(request.block_keys, request.num_tokens, request.event_token_ids)  # kv_cache_dir
             hit = self.kv.find_cached_prefix(request.block_keys, request.num_tokens)
             first_new_block = len(hit.block_ids)
             if first_new_block < len(request.block_keys) and request.block_keys[first_new_block] in in_flight:
                 if request.waited_for_block is None:
                     request.waited_for_block = first_new_block
-                deferred.append(request)
+                held_back.add(group)
                 continue
             # Scoring the prompt needs every position's logits: its prefill starts at 0 over the cached
             # blocks (their K/V is read, not written again), as much work as a cold run and never more.
             start = 0 if request.scores_prompt else hit.num_tokens
             num_new = min(request.num_tokens - start, budget)
-            if not self._allocate(request, max(hit.num_tokens, start + num_new), prefix=hit):
-                self.waiting.appendleft(request)
+            if num_new == 0 or not self._allocate(request, max(hit.num_tokens, start + num_new), prefix=hit):
                 break
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = hit.num_tokens
@@ -193,8 +242,15 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+            seats[group] += 1
+            admitted.add(request.request_id)
             in_flight.update(request.block_keys[first_new_block : request.num_prompt_tokens // self.kv.block_size])
-        self.waiting.extendleft(reversed(deferred))
+        if admitted:
+            self.waiting = deque(r for r in self.waiting if r.request_id not in admitted)
+
+    def _below_share(self, groups: set[str], seats: Counter) -> bool:
+        """Whether any of ``groups`` holds fewer than ``max_seqs_per_group`` seats."""
+        return any(seats[group] < self.max_seqs_per_group for group in groups)
 
     def _in_flight_keys(self) -> set[BlockKey]:
         """Keys of prompt blocks that running requests have yet to compute."""
@@ -208,12 +264,12 @@ class Scheduler:
             for key in r.block_keys[r.num_computed_tokens // size : r.num_prompt_tokens // size]
         }
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, why: str = "pool out of blocks") -> None:
         self.kv.free(request.request_id, request.block_keys, request.num_computed_tokens, request.event_token_ids)
         request.num_computed_tokens = 0
         self.waiting.appendleft(request)
         self.counters["num_preemptions"] += 1
-        logger.debug("preempted %s (pool out of blocks)", request.request_id)
+        logger.debug("preempted %s (%s)", request.request_id, why)
 
     # -- after the model ran ----------------------------------------------------------------------------
 
