@@ -83,6 +83,7 @@ class LLMEngine:
             self.max_model_len,
             self.eos_token_ids,
             max_seqs_per_group=max(1, int(config.max_seq_share_per_request * config.max_num_seqs)),
+            max_prefill_tokens_with_decodes=config.max_prefill_tokens_with_decodes,
         )
         if self.workers is not None:
             tp.broadcast(torch.tensor([num_blocks]), idle=True)  # each worker's pool: its KV heads, every block
