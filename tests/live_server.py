@@ -12,11 +12,13 @@ import uvicorn
 
 
 @contextmanager
-def live_server(app) -> Iterator[str]:
-    """Run ``app`` on 127.0.0.1 (a port chosen by the OS) until the block ends; yields the base URL."""
+def live_server(app, **options) -> Iterator[str]:
+    """Run ``app`` on 127.0.0.1 (a port chosen by the OS) until the block ends; yields the base URL.
+
+    ``options``: more ``uvicorn.Config`` options (``connections.uvicorn_options`` for the server's limits)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, **options))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -11,6 +11,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from pagedkv.config import EngineConfig
+from pagedkv.entrypoints.connections import ConnectionLimits
 from pagedkv.entrypoints.limits import ServerLimits
 from pagedkv.entrypoints.replica_options import add_replica_arguments, replicas_requested
 from pagedkv.sampling import SamplingParams
@@ -154,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--served-model-name", default=None, help="model name clients use (default: file name)")
     ServerLimits.add_arguments(serve)
+    ConnectionLimits.add_arguments(serve)
     add_replica_arguments(serve)
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)

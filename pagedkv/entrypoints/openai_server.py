@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedkv.engine.async_client import AsyncEngine
 from pagedkv.engine.metrics import ServerMetrics
+from pagedkv.entrypoints.connections import ConnectionLimits, fit_fd_limit, uvicorn_options
 from pagedkv.entrypoints.kv_page import KV_PATHS, KVAuthRequired, add_kv_routes, basic_auth_matches
 from pagedkv.entrypoints.limits import ServerLimits
 from pagedkv.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, echoed
@@ -267,7 +268,9 @@ def serve(args: argparse.Namespace, engine_kwargs: dict) -> int:
     engine = load_engine(EngineConfig(**engine_kwargs))  # on a thread that exits: see load_engine
     limits = ServerLimits.from_args(args)
     app = build_app(engine, args.served_model_name, args.api_key, limits=limits, loopback_only=is_loopback(args.host))
-    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+    connections = fit_fd_limit(ConnectionLimits.from_args(args))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", **uvicorn_options(connections))
+    server = DrainingServer(config)
     return run_server(server)
 
 

@@ -1,0 +1,143 @@
+"""Hostile connections against a live server (issue 25, rows 1, 2 and 7), loopback only, bounded in time.
+
+Sockets that never finished their headers held their descriptors forever (~20,000 used them all up);
+4 MiB bodies parsed on the event loop, and ``/kv.json`` rendered there, froze every other client's
+stream. Now unfinished requests are closed after the server's timeouts, connections past the caps are
+refused at once, and a victim's stream keeps its pace (largest gap between events <= 3x its median
++ 0.5 s) while large bodies or a crowd of ``/kv.json`` requests arrive.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+
+import httpx
+import pytest
+
+from pagedkv.config import EngineConfig
+from pagedkv.engine.engine import LLMEngine
+from pagedkv.entrypoints import connections
+from pagedkv.entrypoints.cli import build_parser
+from pagedkv.entrypoints.connections import ConnectionLimits, fit_fd_limit, uvicorn_options
+from pagedkv.entrypoints.openai_server import build_app
+from tests.live_server import live_server
+
+LIMITS = ConnectionLimits(
+    header_timeout_s=3.0,
+    body_timeout_s=2.0,
+    max_connections=96,
+    max_connections_per_client=24,
+    refusal_log_interval_s=60.0,
+)
+PARTIAL_HEADERS = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le"
+REFUSALS_LOGGED = "refused or closed by the server's limits"
+
+
+def test_serve_options_set_the_connection_limits():
+    args = build_parser().parse_args(["serve", "--header-timeout-s", "4.5", "--max-connections-per-client", "7"])
+    limits = ConnectionLimits.from_args(args)
+    assert (limits.header_timeout_s, limits.max_connections_per_client) == (4.5, 7)
+    assert limits.max_connections == ConnectionLimits().max_connections
+    with pytest.raises(ValueError, match="body_timeout_s"):
+        ConnectionLimits(body_timeout_s=0)
+
+
+def test_the_connection_cap_fits_the_file_descriptor_limit(monkeypatch):
+    """Past the hard limit, the cap shrinks: accept() must never be the one to run out of descriptors."""
+    rlimit = [1024, 1500]
+    monkeypatch.setattr(connections.resource, "getrlimit", lambda _: tuple(rlimit))
+    monkeypatch.setattr(connections.resource, "setrlimit", lambda _, limits: rlimit.__setitem__(0, limits[0]))
+    assert fit_fd_limit(ConnectionLimits(max_connections=1000)).max_connections == 1000 and rlimit[0] == 1256
+    assert fit_fd_limit(ConnectionLimits(max_connections=2000)).max_connections == 1500 - connections.FD_RESERVE
+    assert rlimit[0] == 1500
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = LLMEngine(EngineConfig(num_kv_blocks=1024, max_model_len=1024, num_threads=1))
+    options = uvicorn_options(LIMITS)
+    app = build_app(engine, "smol")
+    with live_server(app, **options) as base_url:
+        yield app, base_url, options["http"].counter
+
+
+def connect(base_url: str, source: str) -> socket.socket:
+    """A raw connection to the server from the loopback address ``source`` (each is its own client)."""
+    sock = socket.create_connection(("127.0.0.1", int(base_url.rsplit(":", 1)[1])), source_address=(source, 0))
+    sock.settimeout(10)
+    return sock
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    data = b""
+    try:
+        while chunk := sock.recv(1 << 16):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the server did not get there in time"
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+def test_unfinished_requests_are_closed_and_health_stays_fast(server):
+    _, base_url, counter = server
+    with ExitStack() as stack:
+        started = time.monotonic()
+        partial = [stack.enter_context(connect(base_url, "127.0.0.2")) for _ in range(20)]
+        for sock in partial:
+            sock.sendall(PARTIAL_HEADERS)
+        no_body = stack.enter_context(connect(base_url, "127.0.0.3"))
+        no_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{")
+        trickle = stack.enter_context(connect(base_url, "127.0.0.3"))
+        trickle.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        with httpx.Client(base_url=base_url, timeout=5) as client:
+            for _ in range(5):
+                asked = time.monotonic()
+                assert client.get("/health").status_code == 200
+                assert time.monotonic() - asked < 0.5, "/health waited behind the unfinished requests"
+        while time.monotonic() - started < LIMITS.header_timeout_s + 3:  # a byte at a time: progress, no reprieve
+            try:
+                trickle.sendall(b"a")
+            except OSError:  # the server closed it
+                break
+            time.sleep(0.2)
+        assert time.monotonic() - started < LIMITS.header_timeout_s + 2
+        assert read_until_closed(no_body).startswith(b"HTTP/1.1 408 ")
+        for sock in partial:
+            assert read_until_closed(sock).startswith(b"HTTP/1.1 408 ")
+        assert time.monotonic() - started < LIMITS.header_timeout_s + 2
+    wait_for(lambda: not counter.per_client)
+
+
+@pytest.mark.slow
+def test_connections_past_the_caps_are_refused_at_once(server, caplog):
+    _, base_url, counter = server
+    caplog.set_level(logging.WARNING, logger="pagedkv.entrypoints.connections")
+    per_client = LIMITS.max_connections_per_client
+    with ExitStack() as stack:
+        for _ in range(per_client):
+            stack.enter_context(connect(base_url, "127.0.0.4"))
+        for _ in range(30):
+            with connect(base_url, "127.0.0.4") as over:
+                assert read_until_closed(over).startswith(b"HTTP/1.1 429 ")
+        wait_for(lambda: counter.total == per_client)
+        sources = [f"127.0.1.{i}" for i in range(LIMITS.max_connections // per_client)]
+        for i in range(LIMITS.max_connections - per_client):
+            stack.enter_context(connect(base_url, sources[i // per_client]))
+        with connect(base_url, "127.0.2.1") as over:
+            assert read_until_closed(over).startswith(b"HTTP/1.1 503 ")
+        assert counter.total == LIMITS.max_connections
+    assert sum(REFUSALS_LOGGED in r.getMessage() for r in caplog.records) <= 1, "one line per refusal"
+    wait_for(lambda: counter.total == 0)
+    assert httpx.get(base_url + "/health").status_code == 200
