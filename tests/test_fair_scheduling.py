@@ -177,3 +177,19 @@ def test_fairness_with_the_prefix_cache_and_a_small_pool_leaks_nothing():
         step(scheduler)
     assert scheduler.counters["num_preemptions"] > 0
     assert_no_blocks_held(scheduler)
+
+
+def test_a_warm_prompt_scored_in_chunks_shorter_than_its_cache_hit(tmp_path):
+    """Small prefill chunks meet a long prefix-cache hit when a warm prompt is scored (it recomputes from 0
+    over its cached blocks): the runner marked the whole hit's rows as not-to-write in the first chunk, past
+    the chunk's end (an IndexError, the request failed). Cold and warm give the same bits."""
+    from pagedkv import LLM
+    from tests.tiny_model import save_tiny_llama
+
+    llm = LLM(model=str(save_tiny_llama(tmp_path)), max_num_batched_tokens=32, num_kv_blocks=64)
+    prompt = [4 + i * 7 % 500 for i in range(150)]
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2)
+    cold, warm = (llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0] for _ in range(2))
+    assert warm.num_cached_tokens >= 128 and warm.outputs[0].finish_reason == "length"
+    assert (warm.token_ids, warm.prompt_logprobs) == (cold.token_ids, cold.prompt_logprobs)
+    assert all(count == 0 for count in llm.engine.kv.ref_counts())

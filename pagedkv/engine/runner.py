@@ -102,7 +102,9 @@ class ModelRunner:
                 last = min(start + s.num_new_tokens, request.num_prompt_tokens - 1)
                 targets = request.token_ids[start + 1 : last + 1]
                 inputs.scored.append(ScoredRange(i, first_row, start + 1, request.params.prompt_logprobs, targets))
-                inputs.shared_rows.extend(range(first_row, first_row + max(0, request.num_hit_tokens - start)))
+                # rows of this chunk inside the prefix-cache hit: a chunk may end before the hit does
+                shared = min(request.num_hit_tokens, start + s.num_new_tokens) - start
+                inputs.shared_rows.extend(range(first_row, first_row + max(0, shared)))
             inputs.positions.extend(range(start, end))
             inputs.block_tables.append(self.kv.block_table(request.request_id))
             inputs.query_lens.append(s.num_scheduled_tokens)
