@@ -9,6 +9,7 @@ an error event and ``[DONE]``), stops the engine thread, lets uvicorn close the 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hmac
 import ipaddress
 import json
@@ -16,6 +17,7 @@ import logging
 import signal
 import socket
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -25,7 +27,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -50,6 +52,8 @@ BodyT = TypeVar("BodyT", bound=BaseModel)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 GRACEFUL_SHUTDOWN_S = 5.0
+PARSE_ON_LOOP_BYTES = 64 * 1024  # bodies up to this size parse in well under a millisecond
+PARSE_WORKERS = 1  # large bodies parsed at once: see BodyParser
 
 
 def error_response(error: APIError) -> JSONResponse:
@@ -169,16 +173,41 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     app.add_exception_handler(Exception, on_unexpected)
 
 
-async def parse_body(request: Request, model: type[BodyT], limits: ServerLimits, max_model_len: int) -> BodyT:
-    """The JSON body, bounded (shape, then the limited fields) before pydantic builds anything from it."""
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise APIError(400, f"the body is not valid JSON: {str(exc)[:200]}") from exc
-    limits.check_shape(body)
-    limits.check(body, max_model_len)
-    return model.model_validate(body)
+class BodyParser:
+    """Request bodies, read on the event loop and parsed there if small, on a bounded worker pool if not.
+
+    Parsing and checking a 4 MiB body took ~1.5 s on a loaded machine, even for one that is then refused;
+    on the event loop, six clients sending such bodies cut another client's stream from 157 to 8 events a
+    minute (issue 25, row 2). Off the loop, the checks are Python code that gives the GIL back every few
+    milliseconds, so stream delivery goes on meanwhile; ``json.loads`` and pydantic are not, but they are
+    the smaller part (~50 ms of a 4 MiB body). One worker, not more: the parsing competes with the engine
+    thread for the cores and the GIL, and with two workers on a 2-core machine an engine step took 0.6 s
+    instead of 15 ms, while with one a victim stream's largest gap stayed under 3x its median + 0.5 s.
+    """
+
+    def __init__(self, limits: ServerLimits, max_model_len: int) -> None:
+        self.limits = limits
+        self.max_model_len = max_model_len
+        self.pool = ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="pagedkv-parse")
+
+    async def parse(self, request: Request, model: type[BodyT]) -> BodyT:
+        try:
+            raw = await request.body()
+        except ClientDisconnect as exc:  # the client left, or the server's body timeout closed it
+            raise APIError(499, "the client closed the connection", code="client_closed_request") from exc
+        if len(raw) <= PARSE_ON_LOOP_BYTES:
+            return self.validate(raw, model)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, self.validate, raw, model)
+
+    def validate(self, raw: bytes, model: type[BodyT]) -> BodyT:
+        """The JSON body, bounded (shape, then the limited fields) before pydantic builds anything from it."""
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as exc:
+            raise APIError(400, f"the body is not valid JSON: {str(exc)[:200]}") from exc
+        self.limits.check_shape(body)
+        self.limits.check(body, self.max_model_len)
+        return model.model_validate(body)
 
 
 def build_app(
@@ -199,6 +228,7 @@ def build_app(
     metrics = async_engine.metrics
     ctx = ServingContext(async_engine, model_name, limits, template_supports_tools(engine.tokenizer))
     max_model_len = engine.max_model_len
+    bodies = BodyParser(limits, max_model_len)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -207,6 +237,7 @@ def build_app(
             yield
         finally:
             await async_engine.shutdown()
+            bodies.pool.shutdown(wait=False)
 
     app = FastAPI(title="pagedkv", lifespan=lifespan)
     app.state.async_engine = async_engine
@@ -232,12 +263,12 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await parse_body(request, CompletionRequest, limits, max_model_len)
+        body = await bodies.parse(request, CompletionRequest)
         return await create_completion(ctx, body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await parse_body(request, ChatCompletionRequest, limits, max_model_len)
+        body = await bodies.parse(request, ChatCompletionRequest)
         return await create_chat_completion(ctx, body, request)
 
     return app
