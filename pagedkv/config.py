@@ -55,10 +55,10 @@ class EngineConfig:
     max_num_seqs: int = _option(64, "most requests in one step")
     max_num_batched_tokens: int = _option(2048, "most tokens in one step (prompts are cut into chunks to fit)")
     max_prefill_tokens_with_decodes: int = _option(
-        256,
+        64,
         "most prompt tokens in one step while any request decodes (prompts are cut into smaller chunks then): "
-        "every stream waits for the whole step, ~0.4 s at 256 on the default model on 2 busy cores, 3-15 s at "
-        "2,048",
+        "every stream waits for the whole step, ~0.2-0.45 s at 64 on the default model on one core (more as the "
+        "prompt's context grows), ~6 s at 2,048",
     )
     max_seq_share_per_request: float = _option(
         0.5,
