@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import time
 
 import httpx
 import numpy as np
@@ -14,7 +15,7 @@ from PIL import Image
 
 from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
-from pagedkv.entrypoints import cli
+from pagedkv.entrypoints import cli, kv_page
 from pagedkv.entrypoints.openai_server import build_app
 from pagedkv.kv_map import render_kv_map
 from tests.kv_map_pixels import find_cells
@@ -84,6 +85,7 @@ def test_kv_json_lists_every_block_consistently_with_the_counters(server):
     app, _, client = server
     complete(client, words(50, 2 * BS + 1))
     stats = wait_idle(app)
+    time.sleep(kv_page.KV_JSON_MAX_AGE_S)  # a rendering from before the request went idle may serve until then
     data = client.get("/kv.json").json()
     assert data["num_blocks"] == NUM_BLOCKS == len(data["blocks"])
     assert [b["id"] for b in data["blocks"]] == list(range(NUM_BLOCKS))
@@ -135,14 +137,13 @@ def test_kv_map_command_draws_the_server_pool(server, tmp_path, capsys):
 
 
 def test_a_failing_snapshot_fails_its_request_not_the_engine(server, monkeypatch):
-    from pagedkv.entrypoints import kv_page
-
     _, _, client = server
 
     def broken(core):
         raise RuntimeError("a bug in the KV map")
 
     monkeypatch.setattr(kv_page, "read_engine", broken)
+    time.sleep(kv_page.KV_JSON_MAX_AGE_S)  # past what an earlier test's rendering may still serve
     failed = client.get("/kv.json")
     assert failed.status_code == 500 and "a bug" not in failed.text, "internals stay in the log"
     monkeypatch.undo()

@@ -23,7 +23,7 @@ import pytest
 
 from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
-from pagedkv.entrypoints import connections
+from pagedkv.entrypoints import connections, kv_page
 from pagedkv.entrypoints.cli import build_parser
 from pagedkv.entrypoints.connections import ConnectionLimits, fit_fd_limit, uvicorn_options
 from pagedkv.entrypoints.openai_server import build_app
@@ -95,13 +95,14 @@ def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
 
 
 class Victim(threading.Thread):
-    """A greedy chat stream that notes when each event arrives."""
+    """A greedy chat stream that notes when each event arrives; ``decoding`` is set once its prompt is
+    processed (a few tokens came), so that an attack starts on its decode steps, not on its prefill."""
 
     def __init__(self, base_url: str) -> None:
         super().__init__()
         self.base_url = base_url
         self.times: list[float] = []
-        self.started = threading.Event()
+        self.decoding = threading.Event()
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -112,10 +113,11 @@ class Victim(threading.Thread):
                 for line in resp.iter_lines():
                     if line.startswith("data: {"):
                         self.times.append(time.monotonic())
-                        self.started.set()
+                        if len(self.times) == 4:
+                            self.decoding.set()
         except BaseException as exc:  # noqa: BLE001 - reported by check()
             self.error = exc
-            self.started.set()
+        self.decoding.set()
 
     def check(self) -> None:
         """Finished, and no gap between two events above 3x the median gap + 0.5 s (issue 25's target)."""
@@ -199,7 +201,7 @@ def test_large_bodies_do_not_stall_a_stream(server):
 
     victim = Victim(base_url)
     victim.start()
-    assert victim.started.wait(60)
+    assert victim.decoding.wait(60)
     attackers = [threading.Thread(target=attacker, args=(f"127.0.3.{i}",)) for i in range(6)]
     for thread in attackers:
         thread.start()
@@ -207,4 +209,45 @@ def test_large_bodies_do_not_stall_a_stream(server):
         thread.join(60)
     victim.check()
     assert sorted(statuses) == [200] * 6 + [400] * 6
+    assert wait_idle(app)["kv_blocks_used"] == 0
+
+
+def kv_json_crowd(base_url: str, requests: int, per_connection: int = 3) -> list[socket.socket]:
+    """Connections that have sent ``requests`` requests for /kv.json in all, ``per_connection`` each and
+    pipelined (the last one asks to close), from four client addresses (17 connections each for 200,
+    within the caps): raw sockets, so that the clients cost this process little next to the server."""
+    get = b"GET /kv.json HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    crowd = []
+    for first in range(0, requests, per_connection):
+        sock = connect(base_url, f"127.0.4.{len(crowd) % 4}")
+        count = min(per_connection, requests - first)
+        sock.sendall((get + b"\r\n") * (count - 1) + get + b"Connection: close\r\n\r\n")
+        crowd.append(sock)
+    return crowd
+
+
+@pytest.mark.slow
+def test_a_crowd_on_kv_json_does_not_stall_a_stream(server, monkeypatch):
+    app, base_url, _ = server
+    snapshots = []
+
+    def counted(core):
+        snapshots.append(time.monotonic())
+        return read_engine(core)
+
+    read_engine = kv_page.read_engine
+    monkeypatch.setattr(kv_page, "read_engine", counted)
+
+    victim = Victim(base_url)
+    victim.start()
+    assert victim.decoding.wait(60)
+    started = time.monotonic()
+    answers = 0
+    for sock in kv_json_crowd(base_url, 200):
+        with sock:
+            answers += read_until_closed(sock).count(b"HTTP/1.1 200 OK")
+    elapsed = time.monotonic() - started
+    victim.check()
+    assert answers == 200
+    assert len(snapshots) <= elapsed / kv_page.KV_JSON_MAX_AGE_S + 2, "one rendering serves a whole refresh period"
     assert wait_idle(app)["kv_blocks_used"] == 0
