@@ -22,7 +22,10 @@ The weights are synthetic but coded like the GGUF file's, so ``pack`` accepts th
 With ``--formats`` (all of them if none is named: fp32, the half-precision ones and every quantised one a
 GGUF file's types are packed into), a second table runs the same step with every weight in one panel format,
 at ``--format-rows`` rows: each format's time, and at one row the GB/s it reads its weights at (its bytes over
-its time). The codes are random, in each format's range; the time does not depend on their values.
+its time). The codes are random, in each format's range; the time does not depend on their values. The
+compact formats (q4k, q6k, q5, q5k) run when named, once the kernel computes them; q4k, q6k and q5k hold
+256-weight blocks, so with one among them every format runs with K rounded up to 256 (576 -> 768), so that all
+read the same weights.
 """
 
 from __future__ import annotations
@@ -34,13 +37,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import format_table, setup_threads, time_interleaved  # noqa: E402
 
 from pagedkv import kernels  # noqa: E402
 from pagedkv.extension import cpu_flags  # noqa: E402
-from pagedkv.model import panel  # noqa: E402
+from pagedkv.model import gguf_blocks, panel  # noqa: E402
 from pagedkv.model.codes import GROUP, Q4_LEVELS, Q8_LEVELS  # noqa: E402
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down of SmolLM2-135M
@@ -64,8 +68,30 @@ def q8_coded(n: int, k: int) -> torch.Tensor:
     return (q * d.unsqueeze(-1)).reshape(n, k)
 
 
+# The GGUF type each compact format holds, and the byte offsets of its blocks' fp16 scale fields (d, dmin;
+# gguf/quants.py's dequantize_blocks)
+COMPACT_TYPES = {
+    "q4k": (GGMLQuantizationType.Q4_K, (0, 2)),
+    "q6k": (GGMLQuantizationType.Q6_K, (208,)),
+    "q5": (GGMLQuantizationType.Q5_0, (0,)),
+    "q5k": (GGMLQuantizationType.Q5_K, (0, 2)),
+}
+
+
+def gguf_coded(fmt: str, n: int, k: int) -> panel.PanelWeight:
+    """Random blocks of the GGUF type compact format ``fmt`` holds, fp16 scales model-sized, packed from them."""
+    ggml_type, fp16_fields = COMPACT_TYPES[fmt]
+    block = gguf_blocks.TYPES[ggml_type]
+    raw = torch.randint(0, 256, (n * k // block.block_size, block.type_size), dtype=torch.uint8)
+    for offset in fp16_fields:
+        raw[:, offset : offset + 2] = (torch.rand(len(raw)) * 1e-3).half().view(torch.uint8).view(-1, 2)
+    return gguf_blocks.pack(raw.view(n, -1), ggml_type, n, k, fmt)
+
+
 def format_coded(fmt: str, n: int, k: int) -> panel.PanelWeight:
     """A weight ``[n, k]`` in panel format ``fmt``: model-sized values, or random codes with fp16-valued scales."""
+    if fmt in panel.COMPACT:
+        return gguf_coded(fmt, n, k)
     if fmt == "fp32":
         return panel.pack(torch.randn(n, k) * 0.05, fmt)
     if fmt in panel.HALF:
@@ -98,7 +124,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="4 layers, few repeats")
     parser.add_argument("--avx2", action="store_true", help="the AVX2 register kernels even where AVX-512 runs")
     parser.add_argument(
-        "--formats", nargs="*", choices=list(panel.FORMATS), help="also time each format alone (all if none named)"
+        "--formats",
+        nargs="*",
+        choices=list(panel.FORMATS),
+        help="also time each format alone (all but the compact ones if none named)",
     )
     parser.add_argument("--format-rows", type=int, nargs="*", default=[1, 16, 128])
     args = parser.parse_args()
@@ -156,7 +185,7 @@ def main() -> None:
     )
     print(format_table(headers, table))
     if args.formats is not None and args.format_rows:
-        args.formats = args.formats or list(panel.FORMATS)
+        args.formats = args.formats or [fmt for fmt in panel.FORMATS if fmt not in panel.COMPACT]
         print("\nEvery weight in one format: ms at each row count; GB/s at 1 row (the weights' bytes over the time)")
         print(format_table(*format_speeds(args, layers)))
 
@@ -164,7 +193,9 @@ def main() -> None:
 def format_speeds(args: argparse.Namespace, layers: int) -> tuple[list[str], list[list[object]]]:
     """The step with every weight in each of ``args.formats``, the formats timed in interleaved rounds, each
     one's result checked bit for bit (first layer) against an fp32 panel of its decoded weights."""
-    shapes = [shape for _ in range(layers) for shape in LAYER_SHAPES] + [HEAD_SHAPE]
+    blocks = [gguf_blocks.TYPES[COMPACT_TYPES[fmt][0]].block_size for fmt in args.formats if fmt in panel.COMPACT]
+    block = max([1, *blocks])  # every K rounded up to a multiple of it
+    shapes = [(n, -(-k // block) * block) for n, k in LAYER_SHAPES * layers + [HEAD_SHAPE]]
     weights = {fmt: [format_coded(fmt, n, k) for n, k in shapes] for fmt in args.formats}
     x = torch.randn(3, shapes[0][1])
     for fmt, (first, *_) in weights.items():
