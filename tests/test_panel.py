@@ -229,6 +229,49 @@ def test_register_kernels_equal_the_tiled_path(n: int, k: int, path: int, thread
             assert torch.equal(_path(x, packed, path), _path(x, packed, TILED)), (fmt, rows)
 
 
+def _exact_grid_values(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """Integers below 2^11 in magnitude times 2^-3..2^3: products and their sums over K <= 1536 are exact in
+    float64 (on a 2^-6 grid, below 2^39), so float64 math followed by one rounding to float32 is a true fp32
+    FMA or add; and fp32 sums of them round, so the summation order shows in the bits."""
+    ints = torch.randint(-(2**11), 2**11, shape, generator=g).double()
+    return (ints * torch.pow(2.0, torch.randint(-3, 4, shape, generator=g).double())).float()
+
+
+def _ordered_sums(x: torch.Tensor, w: torch.Tensor, partials: int) -> torch.Tensor:
+    """x @ w.T in the panel GEMM's order (the header of csrc/panel_linear.cpp), in torch: per 256-k chunk,
+    partial j chains fp32 FMAs from zero over the chunk's k = j mod ``partials``, ascending; the chunk's sum is
+    the partials added in order; the chunk sums join the total in chunk order. Exact emulation for
+    :func:`_exact_grid_values` inputs."""
+    xd, wd = x.double(), w.double()
+    total = None
+    for k0 in range(0, x.shape[1], 256):
+        chunk = None
+        for j in range(partials):
+            acc = torch.zeros(x.shape[0], w.shape[0])
+            for k in range(k0 + j, min(k0 + 256, x.shape[1]), partials):
+                acc = (acc.double() + xd[:, k, None] * wd[None, :, k]).float()  # one rounding: an FMA
+            chunk = acc if chunk is None else chunk + acc
+        total = chunk if total is None else total + chunk
+    return total
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "k"), [(37, 600), (20, 37), (16, 1536)])
+def test_every_path_sums_in_the_documented_order(n: int, k: int, threads: int) -> None:
+    """Every path gives, bit for bit, the sums of the order the header documents (two interleaved partial sums
+    per 256-k chunk): chunk tails, odd K and a padded last panel included. The order matters for these
+    inputs: one chain per chunk (the order before) gives other bits."""
+    g = torch.Generator().manual_seed(n + k)
+    w = _exact_grid_values((n, k), g)
+    packed = panel.pack(w, "fp32")
+    x = _exact_grid_values((13, k), g)
+    want = _ordered_sums(x, w, partials=2)
+    assert not torch.equal(want, _ordered_sums(x, w, partials=1))
+    for path in PATHS:
+        for rows in (1, 2, 3, 4, 5, 13):
+            assert torch.equal(_path(x[:rows], packed, path), want[:rows]), (path, rows)
+
+
 @needs_kernel
 @pytest.mark.parametrize(("n", "k"), [(37, 800), (75, 96), (19, 600)])
 @pytest.mark.parametrize("extreme", [False, True], ids=["model-scales", "extreme-scales"])

@@ -27,22 +27,38 @@
 // (Q6_K: an 8-bit scale), so the weight is that product rounded once, and only then multiplied by x: the
 // reference's two roundings, on every path.
 //
-// Measured at one row (benchmarks/panel_linear.py --formats: the default model's 121 linears with every weight
-// in one format, 2 threads, Zen 5, AVX-512): fp32 21 ms a step (26 GB/s), f16 and bf16 11 (24-25 GB/s), q8,
-// q8g16 and q8m 7.1-8.8 (19-23 GB/s), q4 and q4g16 5.8-6.4 (17-21 GB/s): the fewer bytes a weight, the more
-// its decoding rather than memory sets the pace.
-//
 // Two ways through, by the number of rows M:
 //   - tiled (M > 8: prefill, big batches): a panel other than fp32 is expanded to fp32, 256 k at a time, into
-//     an L1-resident buffer and then multiplied like an fp32 one, 6 rows per register tile: the expansion is
+//     an L1-resident buffer and then multiplied like an fp32 one, 3 rows per register tile: the expansion is
 //     paid once per call and panel, not once per row.
 //   - registers (M <= 8: decode): each k's weights of one panel are decoded straight into registers and used
 //     by up to 4 rows at once, with software prefetch; at one row this reads the weights at close to memory
-//     speed, where the tiled path waits on its FMA chains.
+//     speed, where the tiled path makes a round trip through its buffer.
 //
-// Every output is summed in the same order on both (fused multiply-adds over k within 256-wide chunks, then
-// the chunks), whatever M, the row's position in the batch, the thread split or the vector width: a
-// request's numbers do not depend on what it is batched with.
+// The summation order -- the determinism contract. Every output is summed in this one order on every path,
+// whatever M, the row's position in the batch, the thread split or the vector width: a request's numbers do
+// not depend on what it is batched with.
+//   1. k goes in chunks of 256 (the last one shorter where K is not a multiple of 256).
+//   2. In a chunk starting at k0, two partial sums per output: s0 = fma(x[k], w[k], s0) from s0 = 0 over the
+//      chunk's even k (k0, k0 + 2, ...) in ascending order, s1 the same over its odd k (k0 + 1, k0 + 3, ...).
+//   3. The chunk's sum is s0 + s1; the total is the first chunk's sum, then total + each next chunk's sum, in
+//      chunk order (fp32 adds).
+// Why two partials: with one chain of FMAs per output, every FMA waits for the previous one (~4 cycles), and an
+// AVX-512 register holds a whole panel: at one row a core summed 16 weights per 4 cycles whatever the format,
+// and q4, q4g16, q8, q8g16 and q8m all took 9.5-10.4 ms for the step below on one thread (6.8-7.4 ms with two
+// partials). Two chains lift that bound above the cost of decoding (Zen 5 issues one 512-bit FMA a cycle, and
+// a coded weight costs a multiply or FMA to decode and one to use). More did not pay: in cache (64 x 8192, one
+// thread) q8 took 26.4, 26.4 and 26.8 us at one row with 2, 4 and 8 partials, and at 2 rows 4 partials took 42
+// us with AVX-512 and 54 with AVX2 against 35 and 40 for 2: AVX2 holds 4 accumulators a row for 2 partials, so
+// 2 rows fit its 16 registers. Two also suit the codes: a byte of 4-bit codes is a k-pair, its low nibble
+// feeding s0 and its high nibble s1.
+//
+// Measured with benchmarks/panel_linear.py --formats (the default model's 121 linears, every weight in one
+// format; 2 threads, 2-core Zen 5 with AVX-512), one chain -> two partials, ms a step at one row (GB/s): q4
+// 6.9 -> 4.8 (15 -> 21), q4g16 7.1 -> 5.7 (19 -> 24), q8 7.6 -> 6.4 (20 -> 24), q8m 9.1 -> 7.6 (18 -> 22),
+// q8g16 7.9 -> 6.3 (21 -> 27); fp32, f16 and bf16 read at memory speed before and after (25-29 GB/s). AVX2
+// kernels forced: q4 7.8 -> 6.2, q4g16 7.3 -> 6.1, q8m 11 -> 9.4, q8g16 7.9 -> 7.5, the rest alike. 16, 128
+// and 724 rows (the tiled path) alike within the noise: q4 38, 250 and 1350 ms before, 38, 248 and 1390 after.
 
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
@@ -69,7 +85,9 @@ namespace {
 constexpr int64_t kPanel = 16;     // outputs per panel: two AVX2 vectors of 8 floats
 constexpr int64_t kChunk = 256;    // k values expanded at a time: 16 KiB of fp32, stays in L1
 constexpr int64_t kRowBlock = 96;  // x rows kept hot (in L2) while a thread walks its panels
-constexpr int kTile = 6;           // x rows per register tile: 12 accumulators + 2 weights + 1 broadcast
+constexpr int kTile = 3;           // x rows per register tile: 3 x 2 partials x 2 halves = 12 accumulators
+constexpr int kPartials = 2;       // interleaved partial sums per output and chunk (the header's order)
+static_assert(kPartials == 2, "the kernels add their partials as s0 + s1");
 
 enum Format : int { kF32, kQ4, kQ8, kQ8M, kQ4G16, kQ8G16, kF16, kBF16, kFormats };
 
@@ -131,7 +149,9 @@ struct Problem {
 
 // The unit of a format at `unit`, one k at a time in ascending order: use(j, w) for k = j of the unit, with w
 // that k's 16 weights in two AVX2 registers (outputs 0-7, 8-15). The tiled path stores them, the AVX2
-// register kernels multiply them in place.
+// register kernels multiply them in place. A quantised unit goes by k-pairs (2 p, 2 p + 1) -- one line of
+// 4-bit codes (low nibbles, high), two of int8 -- so that k's parity, the partial sum a kernel adds it to, is
+// a compile-time constant in every call, unrolled loop or not.
 template <int F, class Use>
 PAGEDKV_INLINE void decode_avx2(const uint8_t* unit, Use&& use) {
   using S = Spec<F>;
@@ -157,31 +177,36 @@ PAGEDKV_INLINE void decode_avx2(const uint8_t* unit, Use&& use) {
       const __m256 qf = _mm256_cvtepi32_ps(q);
       return S::kMin ? _mm256_fmadd_ps(qf, d[h], m[h]) : _mm256_mul_ps(qf, d[h]);
     };
-    for (int64_t line = 0; line < S::kLines; ++line) {
-      // 8 outputs' code bytes at a time, each widened to 32 bits
-      const auto codes = [&](int h) __attribute__((always_inline)) {
-        return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(unit + line * kPanel + 8 * h));
-      };
+    // 8 outputs' code bytes of one line at a time, each widened to 32 bits
+    const auto codes = [&](int64_t line, int h) __attribute__((always_inline)) {
+      return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(unit + line * kPanel + 8 * h));
+    };
+    for (int64_t pair = 0; pair < S::kUnit / 2; ++pair) {
       if constexpr (S::kBits == 8) {
-        __m256 w[2];
 #pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) w[h] = weight(_mm256_cvtepi8_epi32(codes(h)), h);
-        use(line, w);
-      } else {  // k = 2 line (low nibbles), 2 line + 1 (high)
+        for (int i = 0; i < 2; ++i) {
+          __m256 w[2];
+#pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h) w[h] = weight(_mm256_cvtepi8_epi32(codes(2 * pair + i, h)), h);
+          use(2 * pair + i, w);
+        }
+      } else {
         const __m256i low = _mm256_set1_epi32(0x0F);
         __m256 even[2], odd[2];
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
-          const __m256i bytes = _mm256_cvtepu8_epi32(codes(h));
+          const __m256i bytes = _mm256_cvtepu8_epi32(codes(pair, h));
           even[h] = weight(_mm256_and_si256(bytes, low), h);
           odd[h] = weight(_mm256_srli_epi32(bytes, 4), h);
         }
-        use(2 * line, even);
-        use(2 * line + 1, odd);
+        use(2 * pair, even);
+        use(2 * pair + 1, odd);
       }
     }
   }
 }
+
+// ---- Many rows: tiles of fp32 weights ------------------------------------------------------------------
 
 // Expand the units covering k in [k0, k0 + kc) of one panel to fp32 out[kc][16].
 template <int F>
@@ -214,31 +239,35 @@ inline const float* panel_chunk(const Problem& p, int64_t panel, int64_t k0, int
   return buf;
 }
 
-// y[MR rows][16 cols] (+)= x[MR rows][kc] . w[kc][16]. Each k chunk sums from zero in registers and is
-// then added to y (`accumulate`): a chain of at most 256 terms per chunk instead of K keeps the rounding
-// error near that of a blocked BLAS, and the chunking is fixed, so results still do not depend on M.
-// `cols` < 16 only for the zero-padded last panel.
+// y[MR rows][16 cols] (+)= x[MR rows][kc] . w[kc][16], one chunk's sums in the fixed order: both partials in
+// registers, k-pairs in ascending order (a pair's even k into s0, its odd k into s1), then s0 + s1 added to y
+// (`accumulate`) or written. `cols` < 16 only for the zero-padded last panel.
 template <int MR>
 inline void tile(const float* x, int64_t ldx, const float* w, int64_t kc, float* y, int64_t ldy, int64_t cols,
                  bool accumulate) {
-  __m256 acc[MR][2];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  __m256 acc[kPartials][MR][2];
+#pragma GCC unroll 2
+  for (int p = 0; p < kPartials; ++p)
 #pragma GCC unroll 4
-  for (int64_t k = 0; k < kc; ++k) {
+    for (int i = 0; i < MR; ++i) acc[p][i][0] = acc[p][i][1] = _mm256_setzero_ps();
+  const auto add = [&](int p, int64_t k) __attribute__((always_inline)) {  // k's products into partial p
     const __m256 w0 = _mm256_loadu_ps(w + k * kPanel), w1 = _mm256_loadu_ps(w + k * kPanel + 8);
-#pragma GCC unroll 8
+#pragma GCC unroll 4
     for (int i = 0; i < MR; ++i) {
       const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k);
-      acc[i][0] = _mm256_fmadd_ps(xv, w0, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(xv, w1, acc[i][1]);
+      acc[p][i][0] = _mm256_fmadd_ps(xv, w0, acc[p][i][0]);
+      acc[p][i][1] = _mm256_fmadd_ps(xv, w1, acc[p][i][1]);
     }
-  }
+  };
+  int64_t k = 0;
+#pragma GCC unroll 2
+  for (; k + 2 <= kc; k += 2) add(0, k), add(1, k + 1);
+  if (k < kc) add(0, k);  // the last k of an odd chunk (float formats, K odd)
   alignas(32) float out[MR][kPanel];  // registers leave through here, so the loop above owns them alone
-#pragma GCC unroll 8
+#pragma GCC unroll 4
   for (int i = 0; i < MR; ++i) {
-    _mm256_store_ps(out[i], acc[i][0]);
-    _mm256_store_ps(out[i] + 8, acc[i][1]);
+    _mm256_store_ps(out[i], _mm256_add_ps(acc[0][i][0], acc[1][i][0]));
+    _mm256_store_ps(out[i] + 8, _mm256_add_ps(acc[0][i][1], acc[1][i][1]));
   }
   for (int i = 0; i < MR; ++i) {
     float* target = y + i * ldy;
@@ -251,23 +280,23 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t kc, float*
 }
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, bool);
-constexpr TileFn kTiles[kTile + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+constexpr TileFn kTiles[kTile + 1] = {nullptr, tile<1>, tile<2>, tile<3>};
 
 // Panels [begin, end) for every x row: x rows in blocks that stay in L2, each panel's weights read once
 // per block (once per call for decode-size M), k in L1-sized chunks.
 void panels(const Problem& p, int64_t begin, int64_t end) {
   std::vector<float> buf(p.format == kF32 ? 0 : kChunk * kPanel);
   for (int64_t r0 = 0; r0 < p.rows; r0 += kRowBlock) {
-    const int64_t r1 = std::min(r0 + kRowBlock, p.rows);
+    const int64_t rows = std::min(kRowBlock, p.rows - r0), tiles = (rows + kTile - 1) / kTile;
+    // Tiles of near-equal sizes (16 rows: 3 3 3 3 2 2, not 3 3 3 3 3 1): a row alone has only 4 FMA chains.
+    const auto tile_rows = [&](int64_t t) { return rows / tiles + (t < rows % tiles ? 1 : 0); };
     for (int64_t panel = begin; panel < end; ++panel) {
       const int64_t col = panel * kPanel, cols = std::min(kPanel, p.n - col);
       for (int64_t k0 = 0; k0 < p.k; k0 += kChunk) {
         const int64_t kc = std::min(kChunk, p.k - k0);
         const float* w = panel_chunk(p, panel, k0, kc, buf.data());
-        for (int64_t r = r0; r < r1; r += kTile) {
-          const int64_t mr = std::min<int64_t>(kTile, r1 - r);
-          kTiles[mr](p.x + r * p.k + k0, p.k, w, kc, p.y + r * p.ldy + col, p.ldy, cols, k0 > 0);
-        }
+        for (int64_t t = 0, r = r0; t < tiles; r += tile_rows(t++))
+          kTiles[tile_rows(t)](p.x + r * p.k + k0, p.k, w, kc, p.y + r * p.ldy + col, p.ldy, cols, k0 > 0);
       }
     }
   }
@@ -275,25 +304,22 @@ void panels(const Problem& p, int64_t begin, int64_t end) {
 
 // ---- Few rows (decode): weights decoded in registers, a panel at a time ---------------------------------
 //
-// At M = 1 the tiled path above does not stream the weights at memory speed. tile<1> has two dependency
-// chains (8 outputs each), and every FMA waits for the previous one's result (~4 cycles), so a core runs 2
-// FMAs per 4 cycles where it could run 8; a coded chunk also makes a round trip through the buffer, paid
-// for a single row. Here, for every k, the weights of one panel are decoded straight into registers and feed
-// the accumulators of R <= 4 rows, and nothing goes to memory but y.
+// At M = 1 the tiled path above does not stream the weights at memory speed: a coded chunk makes a round trip
+// through the buffer, paid for a single row. Here, for every k, the weights of one panel are decoded straight
+// into registers and feed the accumulators of R <= 4 rows, and nothing goes to memory but y.
 //
 // A panel at a time, in one pass, not several side by side: on Zen 5 (2 threads, the default model's 121
 // linears in model order, interleaved in one process) one panel at a time beat 2 and 4 side by side at every R
 // from 1 to 4 and in both instruction sets by 10-25 % (gguf, one row: 6.8 / 8.0 / 8.4 ms for 1 / 2 / 4 panels
 // with AVX-512; fp32: 16.5 / 20.5 / 20.8 ms), and in the engine one request decoded 92 / 84 / 76 tokens/s.
-// More independent FMA chains did not pay either: walking two 256-k chunks of a panel side by side (each
-// chunk's sums are a chain of their own, so the bits stay the same) took one request from 117-130 down to
-// 86-100 tokens/s. One stream per thread, read in order, is what the prefetchers follow best.
+// Walking two 256-k chunks of a panel side by side for more FMA chains took one request from 117-130 down to
+// 86-100 tokens/s. One stream per thread, read in order, is what the prefetchers follow best; the two
+// partials of the summation order give the chains within that one stream.
 //
-// The arithmetic is exactly tile<>'s, in the same order: per 256-k chunk, every output is a chain of FMAs
-// from zero over k ascending, and the chunk sums are added in chunk order; the weights are decoded as the
+// The arithmetic is exactly tile<>'s, in the same order (the header's); the weights are decoded as the
 // expansion does (the same operations, whatever the vector width). A row therefore gets the same bits
 // whichever path, vector width or thread computes it (tests/test_panel.py checks all of them against the
-// tiled path, and every format against an fp32 panel of its decoded weights).
+// tiled path and against the order itself, and every format against an fp32 panel of its decoded weights).
 
 constexpr int kRows = 4;  // most rows per register kernel
 
@@ -302,54 +328,106 @@ constexpr int kRows = 4;  // most rows per register kernel
 // enough ahead (measured without: 11-14 GB/s, a third of one core's sequential read). So the kernel asks for
 // every line kAhead bytes before it reads it; near a panel's end that is the next panel, which this thread
 // reads next (a thread's panels are consecutive). A prefetch past the weight's end is dropped, never a fault.
-constexpr int64_t kAhead = 2048;  // bytes; 2-8 KiB measured alike, 1 KiB 25 % slower (too late)
+constexpr int64_t kAhead = 2048;  // bytes; 2-8 KiB measured alike (again with two partials), 1 KiB 25 % slower
 
 PAGEDKV_INLINE void prefetch(const uint8_t* unit, int64_t bytes) {
   for (int64_t line = 0; line < bytes; line += 64)
     _mm_prefetch(reinterpret_cast<const char*>(unit + kAhead + line), _MM_HINT_T0);
 }
 
+// The kernels read a chunk a step at a time, one prefetch each: a unit of a quantised format (16-32 k), 8 k
+// (units) of a float format.
+template <int F>
+constexpr int64_t kStepUnits = Spec<F>::kUnit == 1 ? 8 : 1;
+
 // -- AVX2: a panel's 16 outputs are two registers, [0] (outputs 0-7) and [1] (8-15).
 
-// acc[r] += x[r][k] * w for R rows at one k (x points at row 0's x[k]).
+// acc[r] += x[r][k] * w for R rows at one k, row r's x at x[r].
 template <int R>
-PAGEDKV_INLINE void fma_rows_avx2(const float* x, int64_t ldx, const __m256 (&w)[2], __m256 (&acc)[R][2]) {
+PAGEDKV_INLINE void fma_rows_avx2(const float* const (&x)[R], int64_t k, const __m256 (&w)[2],
+                                  __m256 (&acc)[R][2]) {
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
-    const __m256 xv = _mm256_broadcast_ss(x + r * ldx);
+    const __m256 xv = _mm256_broadcast_ss(x[r] + k);
     acc[r][0] = _mm256_fmadd_ps(xv, w[0], acc[r][0]);
     acc[r][1] = _mm256_fmadd_ps(xv, w[1], acc[r][1]);
   }
 }
 
-// y[row, row + R) x [the panel's outputs] = x W^T, chunk after chunk. Every loop over r, c or h is unrolled:
-// the arrays then live in registers (an array indexed in a loop that is not, lives on the stack).
+// At 3-4 rows, the 4 R accumulators of both partials do not leave room in AVX2's 16 registers for decoding, so
+// a step is walked twice, even k then odd k (the second time from L1): in the AVX2-only build one walk spilled
+// accumulators and took 10-40 % longer at 4 rows (q4 to fp32, in cache).
+constexpr bool avx2_walks_twice(int rows) { return rows > 2; }
+
+// out[r] = the sum of one chunk for R rows, s0 + s1: `units` units of format F from `unit`, x at the chunk's
+// first k (row r at x + r * ldx). Every loop over r or h is unrolled: the arrays then live in registers (an
+// array indexed in a loop that is not, lives on the stack).
+template <int F, int R>
+PAGEDKV_INLINE void chunk_avx2(const uint8_t* unit, int64_t units, const float* x, int64_t ldx, __m256 (&out)[R][2]) {
+  using S = Spec<F>;
+  constexpr int64_t kStep = kStepUnits<F>;
+  __m256 acc[kPartials][R][2];
+#pragma GCC unroll 2
+  for (int p = 0; p < kPartials; ++p)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[p][r][0] = acc[p][r][1] = _mm256_setzero_ps();
+  // Pointers that step, not indices: with u * kBytes and x + u * kUnit, GCC kept u on the stack in the
+  // AVX2-only build (a store-to-load chain per k of fp32: 51.7 us instead of 41.5 for 4 rows, N = K = 576).
+  const float* xs[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) xs[r] = x + r * ldx;
+  // The first n units of the step at u: the k of the partials in the bit mask Sums. Float units go by pairs
+  // (2 p, 2 p + 1), as decode_avx2 goes by k-pairs: k's parity stays a compile-time constant.
+  const auto walk = [&]<int Sums>(const uint8_t* u, int64_t n) __attribute__((always_inline)) {
+    const auto add = [&](int64_t s) __attribute__((always_inline)) {
+      decode_avx2<F>(u + s * S::kBytes, [&](int64_t j, const __m256(&w)[2]) __attribute__((always_inline)) {
+        const int64_t k = s * S::kUnit + j;  // from the step's first k, a multiple of kPartials
+        if ((Sums >> k % kPartials & 1) != 0) fma_rows_avx2<R>(xs, k, w, acc[k % kPartials]);
+      });
+    };
+    if constexpr (kStep == 1) {
+      add(0);
+    } else {
+      for (int64_t pair = 0; pair < n / 2; ++pair) add(2 * pair), add(2 * pair + 1);
+      if (n % 2 != 0) add(2 * (n / 2));
+    }
+  };
+  const auto step = [&](const uint8_t* u, int64_t n) __attribute__((always_inline)) {
+    if constexpr (avx2_walks_twice(R)) {
+      walk.template operator()<0b01>(u, n);
+      walk.template operator()<0b10>(u, n);
+    } else {
+      walk.template operator()<0b11>(u, n);
+    }
+  };
+  int64_t left = units;
+  for (; left >= kStep; left -= kStep, unit += kStep * S::kBytes) {
+    prefetch(unit, kStep * S::kBytes);
+    step(unit, kStep);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) xs[r] += kStep * S::kUnit;
+  }
+  if (left > 0) step(unit, left);  // the rest of a float format's last chunk, K not a multiple of 8
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) out[r][h] = _mm256_add_ps(acc[0][r][h], acc[1][r][h]);
+}
+
+// y[row, row + R) x [the panel's outputs] = x W^T, chunk after chunk.
 template <int F, int R>
 void rows_avx2(const Problem& p, int64_t row, int64_t panel) {
   using S = Spec<F>;
   const uint8_t* w = p.w + panel * p.panel_bytes;
   const float* x = p.x + row * p.k;
-  const int64_t ldx = p.k;
   __m256 sum[R][2] = {};  // set by the first chunk (the zeros only quiet -Wmaybe-uninitialized)
   for (int64_t k0 = 0; k0 < p.k; k0 += kChunk) {
-    __m256 acc[R][2];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    // Pointers that step, not indices: with u * kBytes and x + u * kUnit, GCC kept u on the stack in the
-    // AVX2-only build (a store-to-load chain per k of fp32: 51.7 us instead of 41.5 for 4 rows, N = K = 576).
-    const int64_t units = (std::min(k0 + kChunk, p.k) - k0) / S::kUnit;
-    const uint8_t* unit = w + k0 / S::kUnit * S::kBytes;
-    const float* xu = x + k0;
-    for (int64_t u = 0; u < units; ++u, unit += S::kBytes, xu += S::kUnit) {
-      prefetch(unit, S::kBytes);
-      decode_avx2<F>(unit, [&](int64_t j, const __m256(&wk)[2]) __attribute__((always_inline)) {
-        fma_rows_avx2<R>(xu + j, ldx, wk, acc);
-      });
-    }
+    __m256 chunk[R][2];
+    chunk_avx2<F, R>(w + k0 / S::kUnit * S::kBytes, (std::min(k0 + kChunk, p.k) - k0) / S::kUnit, x + k0, p.k, chunk);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)  // the chunk's sums join the total in chunk order, as tile<> adds them to y
 #pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) sum[r][h] = k0 == 0 ? acc[r][h] : _mm256_add_ps(sum[r][h], acc[r][h]);
+      for (int h = 0; h < 2; ++h) sum[r][h] = k0 == 0 ? chunk[r][h] : _mm256_add_ps(sum[r][h], chunk[r][h]);
   }
   const int64_t cols = std::min(kPanel, p.n - panel * kPanel);  // < 16 in a last, padded panel
 #pragma GCC unroll 4
@@ -372,7 +450,7 @@ void rows_avx2(const Problem& p, int64_t row, int64_t panel) {
 #define PAGEDKV_AVX512 __attribute__((target("avx512f")))
 #define PAGEDKV_AVX512_INLINE __attribute__((target("avx512f"), always_inline))
 
-// decode_avx2 with a panel's 16 weights in one register: use(j, w) for each k = j of the unit.
+// decode_avx2 with a panel's 16 weights in one register: use(j, w) for each k = j of the unit, by k-pairs.
 template <int F, class Use>
 PAGEDKV_AVX512 PAGEDKV_INLINE void decode_avx512(const uint8_t* unit, Use&& use) {
   using S = Spec<F>;
@@ -390,23 +468,67 @@ PAGEDKV_AVX512 PAGEDKV_INLINE void decode_avx512(const uint8_t* unit, Use&& use)
       const __m512 qf = _mm512_cvtepi32_ps(q);
       return S::kMin ? _mm512_fmadd_ps(qf, d, m) : _mm512_mul_ps(qf, d);
     };
-    for (int64_t line = 0; line < S::kLines; ++line) {
-      const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + line * kPanel));
+    const auto codes = [&](int64_t line) PAGEDKV_AVX512_INLINE {
+      return _mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + line * kPanel));
+    };
+    for (int64_t pair = 0; pair < S::kUnit / 2; ++pair) {
       if constexpr (S::kBits == 8) {
-        use(line, weight(_mm512_cvtepi8_epi32(codes)));
+        use(2 * pair, weight(_mm512_cvtepi8_epi32(codes(2 * pair))));
+        use(2 * pair + 1, weight(_mm512_cvtepi8_epi32(codes(2 * pair + 1))));
       } else {
-        const __m512i bytes = _mm512_cvtepu8_epi32(codes);
-        use(2 * line, weight(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F))));
-        use(2 * line + 1, weight(_mm512_srli_epi32(bytes, 4)));
+        const __m512i bytes = _mm512_cvtepu8_epi32(codes(pair));
+        use(2 * pair, weight(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F))));
+        use(2 * pair + 1, weight(_mm512_srli_epi32(bytes, 4)));
       }
     }
   }
 }
 
 template <int R>
-PAGEDKV_AVX512 PAGEDKV_INLINE void fma_rows_avx512(const float* x, int64_t ldx, __m512 w, __m512 (&acc)[R]) {
+PAGEDKV_AVX512 PAGEDKV_INLINE void fma_rows_avx512(const float* const (&x)[R], int64_t k, __m512 w,
+                                                   __m512 (&acc)[R]) {
 #pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx]), w, acc[r]);
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r][k]), w, acc[r]);
+}
+
+// chunk_avx2 with a panel in one register: both partials in one walk (8 accumulators at 4 rows).
+template <int F, int R>
+PAGEDKV_AVX512 PAGEDKV_INLINE void chunk_avx512(const uint8_t* unit, int64_t units, const float* x, int64_t ldx,
+                                                __m512 (&out)[R]) {
+  using S = Spec<F>;
+  constexpr int64_t kStep = kStepUnits<F>;
+  __m512 acc[kPartials][R];
+#pragma GCC unroll 2
+  for (int p = 0; p < kPartials; ++p)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[p][r] = _mm512_setzero_ps();
+  const float* xs[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) xs[r] = x + r * ldx;
+  const auto step = [&](const uint8_t* u, int64_t n) PAGEDKV_AVX512_INLINE {
+    const auto add = [&](int64_t s) PAGEDKV_AVX512_INLINE {
+      decode_avx512<F>(u + s * S::kBytes, [&](int64_t j, __m512 w) PAGEDKV_AVX512_INLINE {
+        const int64_t k = s * S::kUnit + j;
+        fma_rows_avx512<R>(xs, k, w, acc[k % kPartials]);
+      });
+    };
+    if constexpr (kStep == 1) {
+      add(0);
+    } else {
+      for (int64_t pair = 0; pair < n / 2; ++pair) add(2 * pair), add(2 * pair + 1);
+      if (n % 2 != 0) add(2 * (n / 2));
+    }
+  };
+  int64_t left = units;
+  for (; left >= kStep; left -= kStep, unit += kStep * S::kBytes) {
+    prefetch(unit, kStep * S::kBytes);
+    step(unit, kStep);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) xs[r] += kStep * S::kUnit;
+  }
+  if (left > 0) step(unit, left);
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) out[r] = _mm512_add_ps(acc[0][r], acc[1][r]);
 }
 
 template <int F, int R>
@@ -414,23 +536,13 @@ PAGEDKV_AVX512 void rows_avx512(const Problem& p, int64_t row, int64_t panel) {
   using S = Spec<F>;
   const uint8_t* w = p.w + panel * p.panel_bytes;
   const float* x = p.x + row * p.k;
-  const int64_t ldx = p.k;
   __m512 sum[R] = {};
   for (int64_t k0 = 0; k0 < p.k; k0 += kChunk) {
-    __m512 acc[R];
+    __m512 chunk[R];
+    chunk_avx512<F, R>(w + k0 / S::kUnit * S::kBytes, (std::min(k0 + kChunk, p.k) - k0) / S::kUnit, x + k0, p.k,
+                       chunk);
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    const int64_t units = (std::min(k0 + kChunk, p.k) - k0) / S::kUnit;
-    const uint8_t* unit = w + k0 / S::kUnit * S::kBytes;
-    const float* xu = x + k0;
-    for (int64_t u = 0; u < units; ++u, unit += S::kBytes, xu += S::kUnit) {
-      prefetch(unit, S::kBytes);
-      decode_avx512<F>(unit, [&](int64_t j, __m512 wk) PAGEDKV_AVX512_INLINE {
-        fma_rows_avx512<R>(xu + j, ldx, wk, acc);
-      });
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) sum[r] = k0 == 0 ? acc[r] : _mm512_add_ps(sum[r], acc[r]);
+    for (int r = 0; r < R; ++r) sum[r] = k0 == 0 ? chunk[r] : _mm512_add_ps(sum[r], chunk[r]);
   }
   const int64_t cols = std::min(kPanel, p.n - panel * kPanel);
 #pragma GCC unroll 4
