@@ -1,9 +1,10 @@
 """Exact checkpoint codes (Q4_1, Q8_0) are recovered bit for bit, and the panel GEMM is a GEMM, in every
-panel format (fp32, f16, bf16 and the quantised q4, q8, q8m, q4g16, q8g16).
+panel format (fp32, f16, bf16, the quantised q4, q8, q8m, q4g16, q8g16 and the compact q4k, q6k, q5, q5k).
 
 References are independent of the code under test: weights built from known (d, q, m) codes the way
-GGUF de-quantises them (in fp32 torch), half-precision values widened by torch, and plain ``x @ w.T`` in
-float64; and, bit for bit, an fp32 panel holding those weights.
+GGUF de-quantises them (in fp32 torch), random GGUF blocks de-quantised by gguf's numpy code, half-precision
+values widened by torch, and plain ``x @ w.T`` in float64; and, bit for bit, an fp32 panel holding those
+weights.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import torch
 
 from pagedkv import LLM, SamplingParams, kernels
 from pagedkv.extension import cpu_flags
-from pagedkv.model import panel
+from pagedkv.model import gguf_blocks, panel
 from pagedkv.model.codes import GROUP, Q4_LEVELS, Q8_LEVELS, encode_q4, encode_q8
+from tests.test_gguf_blocks import random_blocks, reference
 
 SHAPES = [(960, 576), (576, 1536), (37, 96), (16, 32)]
 
@@ -131,9 +133,19 @@ def half_weight(fmt: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, 
     return bits.view(panel.HALF[fmt]).float(), panel.pack_half(bits, fmt)
 
 
+def gguf_weight(ggml_type: int, fmt: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, panel.PanelWeight]:
+    """``(w, packed)`` for random blocks of a GGUF type: ``w`` as gguf's numpy code de-quantises them,
+    ``packed`` by :func:`gguf_blocks.pack` in ``fmt``. Every code and sub-block scale turns up, and the blocks'
+    fp16 scales are model-sized but for the first few: fp16's largest, its smallest subnormal and zeros, of
+    either sign (tests/test_gguf_blocks.py)."""
+    raw = random_blocks(ggml_type, n, k, seed)
+    return reference(raw, ggml_type, n, k), gguf_blocks.pack(raw, ggml_type, n, k, fmt)
+
+
 def _panels(n: int, k: int, extreme: bool = False) -> dict[str, tuple[torch.Tensor, panel.PanelWeight]]:
-    """Every format whose group divides ``k``: ``fmt -> (w, packed)``. fp32, and q4 / q8 from model-like weights
-    unless ``extreme``, through :func:`panel.pack`; the others from their codes or bits."""
+    """Every format whose group (or block) divides ``k``: ``fmt -> (w, packed)``. fp32, and q4 / q8 from
+    model-like weights unless ``extreme``, through :func:`panel.pack`; the others from their codes, bits or
+    GGUF blocks (whose scales include extremes either way)."""
     out = {"fp32": torch.randn(n, k) * 0.05}
     if k % GROUP == 0 and not extreme:
         out |= {"q4": q4_1_weight(n, k, seed=n)[0], "q8": q8_0_weight(n, k, seed=k)[0]}
@@ -141,6 +153,10 @@ def _panels(n: int, k: int, extreme: bool = False) -> dict[str, tuple[torch.Tens
     for fmt, (_, group, _) in panel.CODED.items():
         if k % group == 0 and fmt not in out:
             out[fmt] = coded_weight(fmt, n, k, seed=n + k, extreme=extreme)
+    for ggml_type, block in gguf_blocks.TYPES.items():
+        for fmt in block.formats:
+            if fmt in panel.COMPACT and k % block.block_size == 0:
+                out[fmt] = gguf_weight(ggml_type, fmt, n, k, seed=n + k + extreme)
     return out | {fmt: half_weight(fmt, n, k, seed=n * k) for fmt in panel.HALF}
 
 
@@ -161,9 +177,10 @@ def test_panel_linear_matches_matmul(n: int, k: int) -> None:
 
 
 @needs_kernel
-def test_a_row_does_not_depend_on_its_batch() -> None:
-    for fmt, (_, packed) in _panels(48, 576).items():
-        x = torch.randn(40, 576)
+@pytest.mark.parametrize(("n", "k"), [(48, 576), (40, 512)])
+def test_a_row_does_not_depend_on_its_batch(n: int, k: int) -> None:
+    for fmt, (_, packed) in _panels(n, k).items():
+        x = torch.randn(40, k)
         together = panel.panel_linear(x, packed)
         for i in (0, 5, 6, 39):
             assert torch.equal(panel.panel_linear(x[i : i + 1], packed)[0], together[i]), (fmt, i)
@@ -273,7 +290,7 @@ def test_every_path_sums_in_the_documented_order(n: int, k: int, threads: int) -
 
 
 @needs_kernel
-@pytest.mark.parametrize(("n", "k"), [(37, 800), (75, 96), (19, 600)])
+@pytest.mark.parametrize(("n", "k"), [(37, 800), (75, 96), (19, 600), (21, 512)])
 @pytest.mark.parametrize("extreme", [False, True], ids=["model-scales", "extreme-scales"])
 def test_codes_compute_with_exactly_their_weights(n: int, k: int, extreme: bool, threads: int) -> None:
     """A coded or half-precision panel gives the bits of an fp32 panel holding its decoded weights, on every
@@ -298,8 +315,9 @@ def test_rows_read_back_exactly_the_packed_weights(extreme: bool) -> None:
     weights that were packed, bit for bit (the sign of a zero included), in every format, with a padded last
     panel and repeated ids."""
     ids = torch.tensor([0, 36, 15, 16, 36, 7])
-    for fmt, (w, packed) in _panels(37, 96, extreme).items():
-        assert torch.equal(panel.rows(packed, ids).view(torch.int32), w[ids].view(torch.int32)), fmt
+    for k in (96, 256):
+        for fmt, (w, packed) in _panels(37, k, extreme).items():
+            assert torch.equal(panel.rows(packed, ids).view(torch.int32), w[ids].view(torch.int32)), fmt
     with pytest.raises(ValueError, match=r"ids\[1\] = 37 is outside \[0, 37\)"):  # the padded lane is no row
         panel.rows(panel.pack(torch.randn(37, 96), "fp32"), torch.tensor([0, 37]))
 
@@ -311,7 +329,7 @@ def _into(x: torch.Tensor, packed: panel.PanelWeight, y: torch.Tensor, col: int,
 
 
 @needs_kernel
-@pytest.mark.parametrize("k", [800, 600])
+@pytest.mark.parametrize("k", [800, 600, 512])
 def test_panel_linear_into_writes_exactly_its_columns(k: int, threads: int) -> None:
     """panel_linear_into fills columns [col, col + n) of a wider y with panel_linear's bits, on every path, and
     leaves the other columns alone (an odd n: the padded last panel must not spill over)."""
@@ -357,8 +375,10 @@ def test_bad_codes_and_outputs_are_refused() -> None:
     packed = panel.pack_codes(q, d, m, "q4")
     with pytest.raises(ValueError, match="multiple of 32"):  # the C++ check, for a caller that skips panel.py
         torch.ops.pagedkv.panel_linear(torch.randn(1, 48), packed.packed, 16, 48, panel.FORMATS["q4"])
-    with pytest.raises(ValueError, match="unknown format 8"):
-        torch.ops.pagedkv.panel_linear(torch.randn(1, 64), packed.packed, 16, 64, 8)
+    with pytest.raises(ValueError, match="unknown format 12"):
+        torch.ops.pagedkv.panel_linear(torch.randn(1, 64), packed.packed, 16, 64, 12)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        torch.ops.pagedkv.panel_linear(torch.randn(1, 64), packed.packed, 16, 64, panel.FORMATS["q4k"])
     x = torch.randn(3, 64)
     for y, col in ((torch.empty(3, 20), 5), (torch.empty(3, 40)[:, ::2], 0), (torch.empty(2, 16), 0)):
         with pytest.raises(RuntimeError, match="panel_linear: "):

@@ -21,11 +21,33 @@
 //   6     f16    -   fp16 bits  32 per k     (float) h    F16
 //   7     bf16   -   bf16 bits  32 per k     bits << 16   BF16
 //
+// The compact formats keep a GGUF block's codes and two-level scales as the file does (within 6 % of its size;
+// the wide formats above multiply the scales out per group: Q4_K takes 0.75 bytes a weight in q4, 0.59 in
+// q4k). A record holds one block of U k of the 16 outputs, in the order the kernels read it, front to back
+// (a record read out of order streams at half the speed: the prefetches below run ahead in address order):
+// float d[16], the block's fp16 d widened (with a min, then dmin[16]); then each sub-block of S k:
+//   scales       u8 [16] (q6k: int8; none in q5), the sub-block's scale of each output; with a min, then the
+//                mins, u8 [16]
+//   high bits    u32 [16] (H > 0): an output's word holds the H bits past the nibble of the sub-block's k = j
+//                at bits H j (S = 32 / H), so one load brings the sub-block's high bits for 16 outputs, and a
+//                k's are one shift and one and away from bit 4 of its code
+//   low nibbles  u8 [S / 2 k-pairs][16], as q4's: byte = (u[2p] & 15) | (u[2p + 1] & 15) << 4
+//
+//   code  name   U    S   H  bytes          weight of code u (unsigned) in sub-block s   GGUF type
+//   8     q4k    256  32  0  2432 record    fma(u, d sc[s], -(dmin mn[s]))               Q4_K
+//   9     q6k    256  16  2  3392 record    (d sc[s]) (u - 32)                           Q6_K
+//   10    q5     32   -   1  384 record     d (u - 16)                                   Q5_0
+//   11    q5k    256  32  1  2944 record    fma(u, d sc[s], -(dmin mn[s]))               Q5_K
+//
 // The weights are exactly those gguf's numpy dequantize computes in fp32. With a min, d * q is exact: d has at
 // most 17 significant bits (an fp16 value times a 6-bit scale) and q at most 7 (|q| <= 128), 24 in all; so
 // d * q + m rounds once, fused or not, and every path here fuses it. Without a min, d * q may need 25 bits
 // (Q6_K: an 8-bit scale), so the weight is that product rounded once, and only then multiplied by x: the
-// reference's two roundings, on every path.
+// reference's two roundings, on every path. The compact formats make d sc and dmin mn in registers, once per
+// sub-block and exactly (11 + 6 significant bits; Q6_K's 11 + 7); u (d sc) is exact too (+ 5 bits; Q6_K's
+// + 6: 24), so the fma rounds once, as numpy's (d sc) u - dmin mn. An offset is taken as a min, offset (d sc)
+// (exact: a power of two): the fma's exact u (d sc) - offset (d sc) is (d sc) (u - offset), at most 23 bits,
+// so it comes out exact, as numpy's product.
 //
 // Two ways through, by the number of rows M:
 //   - tiled (M > 8: prefill, big batches): a panel other than fp32 is expanded to fp32, 256 k at a time, into
@@ -89,7 +111,7 @@ constexpr int kTile = 3;           // x rows per register tile: 3 x 2 partials x
 constexpr int kPartials = 2;       // interleaved partial sums per output and chunk (the header's order)
 static_assert(kPartials == 2, "the kernels add their partials as s0 + s1");
 
-enum Format : int { kF32, kQ4, kQ8, kQ8M, kQ4G16, kQ8G16, kF16, kBF16, kFormats };
+enum Format : int { kF32, kQ4, kQ8, kQ8M, kQ4G16, kQ8G16, kF16, kBF16, kQ4K, kQ6K, kQ5, kQ5K, kFormats };
 
 // What one format's panel holds, k ascending, in "units": a record of G k, or one k of a float format.
 template <int Bits, int64_t Group, bool Min>
@@ -106,6 +128,24 @@ struct Floats {
   static constexpr int64_t kUnit = 1;
   static constexpr int64_t kBytes = kPanel * Bytes;
 };
+// A compact format: a record of one block of Unit k in sub-blocks of Sub k, the header's layout. Byte offsets:
+// d (then dmin) at 0, the first sub-block at kHead; in a sub-block, scales (then mins) at 0, the high-bit
+// words at kHighBits, the low nibbles at kCodes.
+template <int64_t Unit, int64_t Sub, int High, bool Min, int Offset, bool SignedScales>
+struct Blocks {
+  static constexpr int64_t kUnit = Unit, kSub = Sub;
+  static constexpr int kHigh = High, kOffset = Offset;
+  static constexpr bool kMin = Min, kSignedScales = SignedScales;
+  static constexpr bool kSubScales = Sub < Unit;  // q5: d alone
+  static constexpr int64_t kHead = (Min ? 2 : 1) * kPanel * sizeof(float);
+  static constexpr int64_t kHighBits = kSubScales ? (Min ? 2 : 1) * kPanel : 0;
+  static constexpr int64_t kCodes = kHighBits + (High > 0 ? kPanel * 4 : 0);
+  static constexpr int64_t kSubBytes = kCodes + Sub / 2 * kPanel;
+  static constexpr int64_t kBytes = kHead + Unit / Sub * kSubBytes;
+  static_assert(High == 0 || 32 / High == Sub);  // one high-bits word per output and sub-block
+};
+template <int F>
+constexpr bool kCompact = F >= kQ4K;
 template <int F>
 struct Spec;
 template <> struct Spec<kF32> : Floats<4> {};
@@ -116,8 +156,14 @@ template <> struct Spec<kQ4G16> : Codes<4, 16, true> {};
 template <> struct Spec<kQ8G16> : Codes<8, 16, false> {};
 template <> struct Spec<kF16> : Floats<2> {};
 template <> struct Spec<kBF16> : Floats<2> {};
+template <> struct Spec<kQ4K> : Blocks<256, 32, 0, true, 0, false> {};
+template <> struct Spec<kQ6K> : Blocks<256, 16, 2, false, 32, true> {};
+template <> struct Spec<kQ5> : Blocks<32, 32, 1, false, 16, false> {};
+template <> struct Spec<kQ5K> : Blocks<256, 32, 1, true, 0, false> {};
 static_assert(Spec<kQ4>::kBytes == 384 && Spec<kQ8>::kBytes == 576 && Spec<kQ8M>::kBytes == 640 &&
               Spec<kQ4G16>::kBytes == 256 && Spec<kQ8G16>::kBytes == 320);
+static_assert(Spec<kQ4K>::kBytes == 2432 && Spec<kQ6K>::kBytes == 3392 && Spec<kQ5>::kBytes == 384 &&
+              Spec<kQ5K>::kBytes == 2944);
 
 // What the run-time code looks up by format: kByFormat<Entry>[format] = Entry::of<format>().
 template <class Entry, size_t... F>
@@ -147,6 +193,66 @@ struct Problem {
 
 #define PAGEDKV_INLINE inline __attribute__((always_inline))
 
+// v shifted left by `bits`, right by -bits if negative (a constant once the loops around are unrolled).
+PAGEDKV_INLINE __m256i shift_avx2(__m256i v, int bits) {
+  return bits >= 0 ? _mm256_slli_epi32(v, bits) : _mm256_srli_epi32(v, -bits);
+}
+
+// A compact record, as decode_avx2 gives it: per sub-block, its 16 outputs' d sc (and dmin mn) made once, in
+// registers; then per k-pair the codes: the low nibbles as q4's, and past them the high bits, shifted out of
+// the sub-block's word.
+template <int F, class Use>
+PAGEDKV_INLINE void decode_blocks_avx2(const uint8_t* unit, Use&& use) {
+  using S = Spec<F>;
+  // d and dmin are read again for every sub-block (from L1): kept in registers, they would leave too few
+  const float* d = reinterpret_cast<const float*>(unit);
+  for (int64_t sub = 0; sub < S::kUnit / S::kSub; ++sub) {
+    const uint8_t* part = unit + S::kHead + sub * S::kSubBytes;
+    const auto bytes8 = [&](int64_t at, int h) __attribute__((always_inline)) {  // 8 outputs' bytes
+      return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(part + at + 8 * h));
+    };
+    __m256 scale[2] = {_mm256_loadu_ps(d), _mm256_loadu_ps(d + 8)}, min[2] = {};
+    __m256i words[2] = {};
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (S::kSubScales) {
+        const __m128i sc = bytes8(0, h);
+        scale[h] = _mm256_mul_ps(scale[h], _mm256_cvtepi32_ps(S::kSignedScales ? _mm256_cvtepi8_epi32(sc) : _mm256_cvtepu8_epi32(sc)));
+        if constexpr (S::kMin)
+          min[h] = _mm256_mul_ps(_mm256_loadu_ps(d + kPanel + 8 * h), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(kPanel, h))));
+      }
+      if constexpr (S::kHigh > 0)
+        words[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(part + S::kHighBits + 32 * h));
+    }
+    if constexpr (!S::kMin) {  // the offset as a min: u (d sc) - offset (d sc) is exact, as (d sc) (u - offset)
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) min[h] = _mm256_mul_ps(scale[h], _mm256_set1_ps(S::kOffset));
+    }
+    const auto weight = [&](__m256i q, int h) __attribute__((always_inline)) {
+      return _mm256_fmsub_ps(_mm256_cvtepi32_ps(q), scale[h], min[h]);
+    };
+    const __m256i nibble = _mm256_set1_epi32(0x0F), high = _mm256_set1_epi32(((1 << S::kHigh) - 1) << 4);
+#pragma GCC unroll 16
+    for (int64_t pair = 0; pair < S::kSub / 2; ++pair) {
+      const int64_t k = sub * S::kSub + 2 * pair;
+      __m256 even[2], odd[2];
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256i bytes = _mm256_cvtepu8_epi32(bytes8(S::kCodes + pair * kPanel, h));
+        __m256i lo = _mm256_and_si256(bytes, nibble), hi = _mm256_srli_epi32(bytes, 4);
+        if constexpr (S::kHigh > 0) {  // bits H j of the word to bit 4: shifted by 4 - H j
+          lo = _mm256_or_si256(lo, _mm256_and_si256(shift_avx2(words[h], 4 - S::kHigh * 2 * pair), high));
+          hi = _mm256_or_si256(hi, _mm256_and_si256(shift_avx2(words[h], 4 - S::kHigh * (2 * pair + 1)), high));
+        }
+        even[h] = weight(lo, h);
+        odd[h] = weight(hi, h);
+      }
+      use(k, even);
+      use(k + 1, odd);
+    }
+  }
+}
+
 // The unit of a format at `unit`, one k at a time in ascending order: use(j, w) for k = j of the unit, with w
 // that k's 16 weights in two AVX2 registers (outputs 0-7, 8-15). The tiled path stores them, the AVX2
 // register kernels multiply them in place. A quantised unit goes by k-pairs (2 p, 2 p + 1) -- one line of
@@ -155,7 +261,9 @@ struct Problem {
 template <int F, class Use>
 PAGEDKV_INLINE void decode_avx2(const uint8_t* unit, Use&& use) {
   using S = Spec<F>;
-  if constexpr (F == kF32) {
+  if constexpr (kCompact<F>) {
+    decode_blocks_avx2<F>(unit, use);
+  } else if constexpr (F == kF32) {
     const float* src = reinterpret_cast<const float*>(unit);
     const __m256 w[2] = {_mm256_loadu_ps(src), _mm256_loadu_ps(src + 8)};
     use(0, w);
@@ -450,11 +558,56 @@ void rows_avx2(const Problem& p, int64_t row, int64_t panel) {
 #define PAGEDKV_AVX512 __attribute__((target("avx512f")))
 #define PAGEDKV_AVX512_INLINE __attribute__((target("avx512f"), always_inline))
 
+PAGEDKV_AVX512 PAGEDKV_INLINE __m512i shift_avx512(__m512i v, int bits) {
+  return bits >= 0 ? _mm512_slli_epi32(v, bits) : _mm512_srli_epi32(v, -bits);
+}
+
+// decode_blocks_avx2 with a panel's 16 weights in one register.
+template <int F, class Use>
+PAGEDKV_AVX512 PAGEDKV_INLINE void decode_blocks_avx512(const uint8_t* unit, Use&& use) {
+  using S = Spec<F>;
+  const __m512 d = _mm512_loadu_ps(unit);
+  const __m512 dmin = S::kMin ? _mm512_loadu_ps(unit + kPanel * 4) : _mm512_setzero_ps();
+  for (int64_t sub = 0; sub < S::kUnit / S::kSub; ++sub) {
+    const uint8_t* part = unit + S::kHead + sub * S::kSubBytes;
+    const auto bytes16 = [&](int64_t at) PAGEDKV_AVX512_INLINE {  // 16 outputs' bytes
+      return _mm_loadu_si128(reinterpret_cast<const __m128i*>(part + at));
+    };
+    __m512 scale = d, min = _mm512_setzero_ps();
+    if constexpr (S::kSubScales) {
+      const __m128i sc = bytes16(0);
+      scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(S::kSignedScales ? _mm512_cvtepi8_epi32(sc) : _mm512_cvtepu8_epi32(sc)));
+      if constexpr (S::kMin) min = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes16(kPanel))));
+    }
+    const __m512i words = S::kHigh > 0 ? _mm512_loadu_si512(part + S::kHighBits) : _mm512_setzero_si512();
+    if constexpr (!S::kMin) min = _mm512_mul_ps(scale, _mm512_set1_ps(S::kOffset));  // as decode_blocks_avx2
+    const auto weight = [&](__m512i q) PAGEDKV_AVX512_INLINE {
+      return _mm512_fmsub_ps(_mm512_cvtepi32_ps(q), scale, min);
+    };
+    const __m512i nibble = _mm512_set1_epi32(0x0F), high = _mm512_set1_epi32(((1 << S::kHigh) - 1) << 4);
+#pragma GCC unroll 16
+    for (int64_t pair = 0; pair < S::kSub / 2; ++pair) {
+      const int64_t k = sub * S::kSub + 2 * pair;
+      const __m512i bytes = _mm512_cvtepu8_epi32(bytes16(S::kCodes + pair * kPanel));
+      __m512i lo = _mm512_and_si512(bytes, nibble), hi = _mm512_srli_epi32(bytes, 4);
+      if constexpr (S::kHigh > 0) {
+        // (shifted & high) | code in one instruction (0xEA: c | (a & b))
+        lo = _mm512_ternarylogic_epi32(shift_avx512(words, 4 - S::kHigh * 2 * pair), high, lo, 0xEA);
+        hi = _mm512_ternarylogic_epi32(shift_avx512(words, 4 - S::kHigh * (2 * pair + 1)), high, hi, 0xEA);
+      }
+      use(k, weight(lo));
+      use(k + 1, weight(hi));
+    }
+  }
+}
+
 // decode_avx2 with a panel's 16 weights in one register: use(j, w) for each k = j of the unit, by k-pairs.
 template <int F, class Use>
 PAGEDKV_AVX512 PAGEDKV_INLINE void decode_avx512(const uint8_t* unit, Use&& use) {
   using S = Spec<F>;
-  if constexpr (F == kF32) {
+  if constexpr (kCompact<F>) {
+    decode_blocks_avx512<F>(unit, use);
+  } else if constexpr (F == kF32) {
     use(0, _mm512_loadu_ps(unit));
   } else if constexpr (F == kF16) {
     use(0, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit))));
@@ -665,7 +818,29 @@ void panel_row(const uint8_t* panel, int64_t lane, int64_t k, float* row) {
   };
   for (int64_t u = 0; u < k / S::kUnit; ++u) {
     const uint8_t* unit = panel + u * S::kBytes;
-    if constexpr (F == kF32) {
+    if constexpr (kCompact<F>) {
+      const float d = load(float{}, unit + 4 * lane);
+      for (int64_t j = 0; j < S::kUnit; ++j) {
+        const uint8_t* part = unit + S::kHead + j / S::kSub * S::kSubBytes;
+        const int64_t i = j % S::kSub;  // k in the sub-block
+        int code = part[S::kCodes + i / 2 * kPanel + lane] >> (4 * (i % 2)) & 0x0F;
+        if constexpr (S::kHigh > 0) {
+          const uint32_t word = load(uint32_t{}, part + S::kHighBits + 4 * lane);
+          code |= static_cast<int>(word >> (S::kHigh * i) & ((1u << S::kHigh) - 1)) << 4;
+        }
+        float scale = d;
+        if constexpr (S::kSubScales) {
+          const uint8_t sc = part[lane];
+          scale = d * static_cast<float>(S::kSignedScales ? static_cast<int8_t>(sc) : sc);
+        }
+        if constexpr (S::kMin) {
+          const float min = load(float{}, unit + 4 * (kPanel + lane)) * static_cast<float>(part[kPanel + lane]);
+          row[u * S::kUnit + j] = std::fma(static_cast<float>(code), scale, -min);
+        } else {
+          row[u * S::kUnit + j] = static_cast<float>(code - S::kOffset) * scale;
+        }
+      }
+    } else if constexpr (F == kF32) {
       row[u] = load(float{}, unit + 4 * lane);
     } else if constexpr (F == kF16) {
       row[u] = _cvtsh_ss(load(uint16_t{}, unit + 2 * lane));
