@@ -185,7 +185,7 @@ def main() -> None:
     )
     print(format_table(headers, table))
     if args.formats is not None and args.format_rows:
-        args.formats = args.formats or [fmt for fmt in panel.FORMATS if fmt not in panel.COMPACT]
+        args.formats = args.formats or list(panel.FORMATS)
         print("\nEvery weight in one format: ms at each row count; GB/s at 1 row (the weights' bytes over the time)")
         print(format_table(*format_speeds(args, layers)))
 

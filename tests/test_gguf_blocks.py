@@ -222,7 +222,7 @@ def test_bad_inputs_are_value_errors_that_say_what_is_wrong() -> None:
         gguf_blocks.pack(raw, int(T.Q4_K), 12, 128)
     with pytest.raises(ValueError, match=r"ids\[1\] = 3 is outside \[0, 3\)"):
         gguf_blocks.rows(raw, int(T.Q4_K), [0, 3], 512)
-    with pytest.raises(ValueError, match="Q4_K packs into q4 or q4k, not 'q6k'"):
+    with pytest.raises(ValueError, match="Q4_K packs into q4k or q4, not 'q6k'"):
         gguf_blocks.pack(raw, int(T.Q4_K), 3, 512, "q6k")
     with pytest.raises(ValueError, match="packs into panel format 1 or 8, not 9"):
         torch.ops.pagedkv.gguf_pack(raw, int(T.Q4_K), 3, 512, 9)

@@ -43,22 +43,23 @@ class BlockType:
 
 
 # The panel formats of each type whose codes the GEMM reads as they are (the table in csrc/panel_linear.cpp's
-# header), the one a model is loaded in first; the i-quants, ternary and fp4 types have none: their weights are
-# not d * q + m per group.
+# header), the one a model is loaded in first: the compact one where there is one (the file's own blocks, within
+# 6 % of its bytes, as fast a step as the wide format: benchmarks/panel_linear.py); the i-quants, ternary and fp4
+# types have none: their weights are not d * q + m per group.
 _PANEL_FORMATS = {
     GGMLQuantizationType.F32: ("fp32",),
     GGMLQuantizationType.F16: ("f16",),
     GGMLQuantizationType.BF16: ("bf16",),
     GGMLQuantizationType.Q4_0: ("q4",),
     GGMLQuantizationType.Q4_1: ("q4",),
-    GGMLQuantizationType.Q5_0: ("q8", "q5"),
+    GGMLQuantizationType.Q5_0: ("q5", "q8"),
     GGMLQuantizationType.Q5_1: ("q8m",),
     GGMLQuantizationType.Q8_0: ("q8",),
     GGMLQuantizationType.Q2_K: ("q4g16",),
     GGMLQuantizationType.Q3_K: ("q8g16",),
-    GGMLQuantizationType.Q4_K: ("q4", "q4k"),
-    GGMLQuantizationType.Q5_K: ("q8m", "q5k"),
-    GGMLQuantizationType.Q6_K: ("q8g16", "q6k"),
+    GGMLQuantizationType.Q4_K: ("q4k", "q4"),
+    GGMLQuantizationType.Q5_K: ("q5k", "q8m"),
+    GGMLQuantizationType.Q6_K: ("q6k", "q8g16"),
 }
 TYPES: dict[int, BlockType] = {
     int(t): BlockType(t.name, *GGML_QUANT_SIZES[t], formats) for t, formats in _PANEL_FORMATS.items()
