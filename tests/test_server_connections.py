@@ -187,16 +187,23 @@ def test_connections_past_the_caps_are_refused_at_once(server, caplog):
 @pytest.mark.slow
 def test_large_bodies_do_not_stall_a_stream(server):
     app, base_url, _ = server
-    # ~3.5 MB, within the 4 MiB cap, refused after parsing (too long). Not here: a body of ~1M tiny containers,
-    # whose parsing holds the GIL for 0.15-0.4 s on the worker thread (no limit counts a body's values yet)
-    bodies = [json.dumps({"prompt": list(range(450_000))}).encode()]
+    bodies = [  # ~3.5 MB each, within the 4 MiB cap. Two are more values than --max-json-values, refused before
+        # parsing: 450k token ids, and ~1M tiny containers, whose parsing held the GIL 0.15-0.4 s. One is parsed
+        # on the worker and refused after it (the prompt is too long)
+        json.dumps({"prompt": list(range(450_000))}).encode(),
+        json.dumps({"prompt": "hi", "max_tokens": 1, "user": [[{}] * 4000] * 250}).encode(),
+        json.dumps({"prompt": "a, [b], {c} " * 300_000}).encode(),
+    ]
     statuses: list[int] = []
+    refusals: list[str] = []
 
     def attacker(source: str) -> None:
         transport = httpx.HTTPTransport(local_address=source)
         with httpx.Client(base_url=base_url, transport=transport, timeout=60) as client:
             for body in bodies:
-                statuses.append(client.post("/v1/completions", content=body).status_code)
+                resp = client.post("/v1/completions", content=body)
+                statuses.append(resp.status_code)
+                refusals.append(resp.json()["error"]["message"])
 
     victim = Victim(base_url)
     victim.start()
@@ -207,7 +214,8 @@ def test_large_bodies_do_not_stall_a_stream(server):
     for thread in attackers:
         thread.join(60)
     victim.check()
-    assert statuses == [400] * 6
+    assert sorted(statuses) == [400] * 6 + [413] * 12
+    assert sum("(--max-json-values)" in message for message in refusals) == 12
     assert wait_idle(app)["kv_blocks_used"] == 0
 
 

@@ -200,7 +200,9 @@ class BodyParser:
         return await asyncio.get_running_loop().run_in_executor(self.pool, self.validate, raw, model)
 
     def validate(self, raw: bytes, model: type[BodyT]) -> BodyT:
-        """The JSON body, bounded (shape, then the limited fields) before pydantic builds anything from it."""
+        """The JSON body, bounded (values, shape, then the limited fields) before pydantic builds anything from it;
+        its values are counted before ``json.loads`` builds them, which holds the GIL throughout."""
+        self.limits.check_values(raw, self.max_model_len)
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError) as exc:
