@@ -10,6 +10,10 @@ of its next token is applied to its logits row before sampling, and every accept
 
 Compiling is bounded (``LLParserLimits``) and cached by content: a request copies a compiled matcher
 (``deep_copy``) instead of compiling the same schema again, so a burst of requests with one schema pays once.
+Every grammar is also probed when it is compiled (``grammar_probe``): one that matches nothing or breaks the
+library's limits at its first steps is refused here, as an InvalidParameter naming the field, and that
+refusal is cached too. The server compiles on a pool of its own (``pagedkv.engine.grammar_pool``), never on
+the thread that delivers streams, and hands the compiled grammar to the request's builder (``holding``).
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -26,12 +31,26 @@ import llguidance.hf
 import torch
 
 from pagedkv.errors import InvalidParameter
+from pagedkv.grammar_probe import probe
+from pagedkv.json_text import loads_bounded
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
-CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped
+CACHE_SIZE = 256  # compiled grammars (and refusals) kept, least recently used dropped
 # Bounds on compiling and on each step's mask, so a pathological grammar fails its request with a 400 (at
 # compile time) or an error (later), instead of stalling the engine: llguidance's own defaults, made explicit.
-LIMITS = {"max_grammar_size": 500_000, "initial_lexer_fuel": 1_000_000, "step_lexer_fuel": 200_000}
+# Errors are short (not the parser's whole state): they become the 400's message.
+LIMITS = {
+    "max_grammar_size": 500_000,
+    "initial_lexer_fuel": 1_000_000,
+    "step_lexer_fuel": 200_000,
+    "verbose_errors": False,
+}
+# A choice is one alternative per string, and llguidance's parser holds at most 2,000 items in a step
+# (``max_items_in_row``): 2,000 strings already failed at the first token. Past this, give a regex or grammar.
+MAX_CHOICES = 1000
+# A JSON schema given as text is parsed only if it nests at most this deep (json.loads recurses: ~1,000
+# levels raised RecursionError); llguidance itself refuses schemas past 128 levels.
+MAX_SPEC_DEPTH = 64
 # JSON may be pretty-printed, but a run of whitespace is bounded: small models can otherwise fall into writing
 # newlines forever, and every such answer would end at max_tokens as invalid JSON.
 JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{1,32}"}
@@ -60,6 +79,12 @@ class StructuredOutputsParams:
             raise InvalidParameter("structured_outputs", f"structured_outputs.{kind} has the wrong type")
         if kind == "choice" and (not value or not all(isinstance(c, str) and c for c in value)):
             raise InvalidParameter("structured_outputs", "structured_outputs.choice must be non-empty strings")
+        if kind == "choice" and len(value) > MAX_CHOICES:
+            message = (
+                f"structured_outputs.choice has {len(value)} strings, at most {MAX_CHOICES}: "
+                "give a regex or a grammar for more"
+            )
+            raise InvalidParameter("structured_outputs", message)
 
     @property
     def kind(self) -> str:
@@ -74,12 +99,12 @@ class StructuredOutputsParams:
             schema = self.json
             if isinstance(schema, str):
                 try:
-                    schema = json.loads(schema)
+                    schema = loads_bounded(schema, MAX_SPEC_DEPTH)
                 except ValueError as exc:
                     raise InvalidParameter("structured_outputs", f"structured_outputs.json is not JSON: {exc}") from exc
             try:
                 return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, RecursionError) as exc:
                 message = f"structured_outputs.json is not a valid JSON schema: {exc}"
                 raise InvalidParameter("structured_outputs", message) from exc
         if kind == "regex":
@@ -114,37 +139,87 @@ def lark_json(schema: dict) -> str:
 
 
 class GrammarCompiler:
-    """Compiles grammars into matchers for one tokenizer and vocabulary; thread-safe."""
+    """Compiles grammars into probed matchers for one tokenizer and vocabulary; thread-safe.
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    The lock guards only the cache: compiles run outside it (llguidance drops the GIL while it builds a
+    grammar), so a thread looking up a cached grammar never waits behind another's compile.
+    """
+
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], cache_size: int = CACHE_SIZE
+    ) -> None:
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.cache_size = cache_size
         self._eos = sorted(eos_token_ids)
         self._ll_tokenizer: llguidance.LLTokenizer | None = None  # built on first use (~0.3 s)
-        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._cache: OrderedDict[str, llguidance.LLMatcher | str] = OrderedDict()  # a template, or why not
+        self._held: dict[int, tuple[StructuredOutputsParams, llguidance.LLMatcher, int]] = {}
         self._lock = threading.Lock()
+        self._tokenizer_lock = threading.Lock()
 
-    def matcher(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
-        """A fresh matcher for ``params``; InvalidParameter naming the problem if it does not compile."""
+    def compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """The compiled and probed template for ``params`` (do not step it: copy it); InvalidParameter naming
+        the problem if it does not compile or fails its probe. Cached by content, refusals included."""
         grammar = params.to_grammar()
         with self._lock:
-            template = self._cache.get(grammar)
-            if template is not None:
+            cached = self._cache.get(grammar)
+            if cached is not None:
                 self._cache.move_to_end(grammar)
-                return template.deep_copy()
+        if cached is None:
+            cached = self._compile(grammar)
+            with self._lock:
+                self._cache[grammar] = cached
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+        if isinstance(cached, str):
+            raise InvalidParameter("structured_outputs", f"structured_outputs.{params.kind} {cached}")
+        return cached
+
+    def _compile(self, grammar: str) -> llguidance.LLMatcher | str:
+        template = llguidance.LLMatcher(self._tokenizer(), grammar, limits=llguidance.LLParserLimits(**LIMITS))
+        if template.is_error():
+            return f"does not compile: {template.get_error().strip()[:500]}"
+        reason = probe(template, self.vocab_size, self._eos)
+        return template if reason is None else f"cannot be used: {reason}"
+
+    def _tokenizer(self) -> llguidance.LLTokenizer:
+        with self._tokenizer_lock:
             if self._ll_tokenizer is None:
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(
                     self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos
                 )
-            template = llguidance.LLMatcher(self._ll_tokenizer, grammar, limits=llguidance.LLParserLimits(**LIMITS))
-            if template.is_error():
-                error = template.get_error()
-                message = f"structured_outputs.{params.kind} does not compile: {error}"
-                raise InvalidParameter("structured_outputs", message)
-            self._cache[grammar] = template
-            if len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-            return template.deep_copy()
+            return self._ll_tokenizer
+
+    def matcher(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """A fresh matcher for ``params``: a copy of the template ``holding`` gave for this very object, or
+        of the compiled one (compiled here, on the caller's thread, if it is not cached)."""
+        held = self._held.get(id(params))
+        if held is not None and held[0] is params:
+            return held[1].deep_copy()
+        return self.compile(params).deep_copy()
+
+    @contextmanager
+    def holding(self, params: StructuredOutputsParams | None, template: llguidance.LLMatcher | None) -> Iterator[None]:
+        """While the block runs, ``matcher(params)`` copies ``template`` (compiled elsewhere, e.g. on the
+        grammar pool) without looking at the cache or compiling: the cache may have dropped it meanwhile,
+        and the thread building requests must never compile."""
+        if params is None or template is None:
+            yield
+            return
+        key = id(params)
+        with self._lock:
+            _, _, count = self._held.get(key, (params, template, 0))
+            self._held[key] = (params, template, count + 1)
+        try:
+            yield
+        finally:
+            with self._lock:
+                _, _, count = self._held[key]
+                if count > 1:
+                    self._held[key] = (params, template, count - 1)
+                else:
+                    del self._held[key]
 
 
 def bitmask_words(vocab_size: int) -> int:
