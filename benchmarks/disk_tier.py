@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from pagedkv.kv.disk_files import BLOCKS_DIR  # noqa: E402
+from pagedkv.kv.block_directory import BLOCKS_DIR  # noqa: E402
 
 WORKLOAD = ROOT / "workloads" / "chat_shared_prefix.json"
 NEW_QUESTIONS = [  # not in the workload: only the system prompt is on disk (one per repeat, so none is cached)

@@ -21,13 +21,14 @@ import pytest
 import torch
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.kv.disk_files import BLOCKS_DIR, FORMAT, LOCK_FILE, MAX_HEADER
+from pagedkv.kv.block_directory import BLOCKS_DIR, LOCK_FILE
+from pagedkv.kv.disk_files import FORMAT, MAX_HEADER
 from pagedkv.kv.disk_tier import DiskTier
 from pagedkv.kv.hashing import extend_block_keys
 from tests.tiny_model import save_tiny_llama
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, logprobs=2)
-TIER_LOGGERS = ("pagedkv.kv.disk_tier", "pagedkv.kv.disk_files")
+TIER_LOGGERS = ("pagedkv.kv.disk_tier", "pagedkv.kv.disk_files", "pagedkv.kv.block_directory")
 BLOCK_FILE = 2 * 2 * 16 * 2 * 64 * 4 + 400  # the tiny model's block file: K and V, 2 layers, fp32, + header
 
 

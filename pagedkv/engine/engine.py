@@ -30,7 +30,7 @@ from pagedkv.engine.request import OutputKind, Request, RequestOutput
 from pagedkv.engine.runner import ModelRunner, kv_block_bytes
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.errors import InvalidParameter
-from pagedkv.kv.disk_files import prepare_directory
+from pagedkv.kv.block_directory import prepare_directory
 from pagedkv.kv.disk_fingerprint import engine_fingerprint
 from pagedkv.kv.disk_tier import DiskTier
 from pagedkv.kv.events import KVEventBatch, KVEventPublisher, KVEventRecorder, check_endpoint

@@ -4,8 +4,9 @@ One file per block, content-addressed: its name is ``sha256(fingerprint, block k
 is the prefix cache's hash chain (``pagedkv.kv.hashing``) and the fingerprint covers the model's content,
 weight format, kernels, block size, versions and CPU (``pagedkv.kv.disk_fingerprint``). So a lookup is one
 ``stat`` of a computed name -- nothing to index at start, and what another process wrote is found at once --
-and an engine with any other fingerprint never finds, let alone reads, another's blocks. The file format,
-its checks and the size limit live in ``pagedkv.kv.disk_files``.
+and an engine with any other fingerprint never finds, let alone reads, another's blocks. The file format
+and its checks live in ``pagedkv.kv.disk_files``, the directory and its size limit in
+``pagedkv.kv.block_directory``.
 
 Loads run on the engine thread, when the KV manager admits a request (``KVCacheManager.load_from_disk``). A
 file that fails to be read for *any* reason -- its checks, an I/O error, something planted under its name --
@@ -37,16 +38,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from pagedkv.kv.disk_files import (
-    BLOCKS_DIR,
-    MAX_HEADER,
-    SUFFIX,
-    BlockDirectory,
-    CorruptBlockFile,
-    UntrustedFile,
-    decode_block,
-    encode_block,
-)
+from pagedkv.kv.block_directory import BLOCKS_DIR, SUFFIX, BlockDirectory, UntrustedFile
+from pagedkv.kv.disk_files import MAX_HEADER, CorruptBlockFile, decode_block, encode_block
 from pagedkv.kv.hashing import BlockKey
 
 logger = logging.getLogger(__name__)
