@@ -29,6 +29,7 @@ from typing import Any
 import llguidance
 import llguidance.hf
 import torch
+from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from pagedkv.errors import InvalidParameter
 from pagedkv.grammar_probe import probe
@@ -114,7 +115,7 @@ class StructuredOutputsParams:
         grammar = self.grammar
         if "::=" in grammar:  # GBNF (llama.cpp's and xgrammar's EBNF dialect)
             try:
-                grammar = llguidance.gbnf_to_lark(grammar)
+                grammar = gbnf_to_lark(grammar)  # the function: llguidance.gbnf_to_lark is its module
             except (TypeError, ValueError) as exc:
                 message = f"structured_outputs.grammar is not valid GBNF: {exc}"
                 raise InvalidParameter("structured_outputs", message) from exc
