@@ -10,6 +10,10 @@ on each step's token ids (while the engine thread already computes the next step
 
 Logprob responses need every sampled token's text on the event loop; the worker decodes the whole
 vocabulary once (a batch decode, ~0.2 s for 49 k tokens) and the loop reads that table.
+
+One kind of work is kept off this thread: compiling a structured output's grammar (seconds for a large
+schema, and every stream's delivery would wait behind it). ``prepare`` first awaits the grammar on the
+GrammarPool, then builds the requests here from the compiled grammar.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from pagedkv.engine.grammar_pool import GrammarPool, GrammarsBusy
 from pagedkv.engine.output_processor import OutputProcessor, Stop
 from pagedkv.engine.prompts import EnginePrompt
 from pagedkv.engine.request import CoreOutput, OutputKind, Request, RequestOutput
@@ -40,6 +45,7 @@ class TokenizerWorker:
         self.processor = OutputProcessor(self._tokenizer)  # touched on the worker thread only
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedkv-tokenizer")
         self._token_texts: Future[list[str]] | None = None
+        self.grammars = GrammarPool(engine.grammars)
 
     async def prepare(
         self,
@@ -50,14 +56,24 @@ class TokenizerWorker:
         output_kind: OutputKind,
     ) -> list[list[Request]]:
         """Tokenize, validate and build every prompt's requests and register their output state, all or
-        none; the requests of each prompt. ValueError (a 400) if one cannot be."""
+        none; the requests of each prompt. ValueError (a 400) if one cannot be, EngineOverloaded (a 503) if
+        its grammar could not even start compiling in time."""
+        spec = params.structured_outputs
+        try:
+            template = None if spec is None else await self.grammars.compile(spec)
+        except GrammarsBusy as exc:
+            from pagedkv.engine.async_client import EngineOverloaded  # it imports this module
+
+            raise EngineOverloaded(str(exc)) from exc
 
         def build() -> list[list[Request]]:  # on the worker
             requests, groups = [], []
-            for group_id, prompt in zip(group_ids, prompts, strict=True):
-                built = self._engine.make_requests(group_id, prompt.token_ids(self._tokenizer), params, cache_salt)
-                groups.append(self.processor.make_group(built, prompt.prompt, output_kind))
-                requests.append(built)
+            with self._engine.grammars.holding(spec, template):  # copies of the compiled grammar, no compile
+                for group_id, prompt in zip(group_ids, prompts, strict=True):
+                    token_ids = prompt.token_ids(self._tokenizer)
+                    built = self._engine.make_requests(group_id, token_ids, params, cache_salt)
+                    groups.append(self.processor.make_group(built, prompt.prompt, output_kind))
+                    requests.append(built)
             for group in groups:
                 self.processor.add(group)
             return requests
@@ -92,6 +108,7 @@ class TokenizerWorker:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.grammars.close()
 
     def _process(self, outputs: list[CoreOutput]) -> None:
         try:
