@@ -17,7 +17,7 @@ every M before (``-`` above 8 rows, where it is what runs). ``q4_GBps`` is the q
 ``panel_q4_ms``, and ``read_q4_ms`` the time torch takes just to read those bytes (a sum over them, as one
 call per layer): the memory speed a one-row step cannot beat.
 
-The weights are synthetic but coded like the GGUF file's, so ``pack`` accepts them as exact.
+The weights are synthetic but coded like the GGUF file's (Q4_1 projections, a Q8_0 head), packed from their codes.
 
 With ``--formats`` (all of them if none is named: fp32, the half-precision ones and every quantised one a
 GGUF file's types are packed into), a second table runs the same step with every weight in one panel format,
@@ -45,27 +45,30 @@ from common import format_table, setup_threads, time_interleaved  # noqa: E402
 from pagedkv import kernels  # noqa: E402
 from pagedkv.extension import cpu_flags  # noqa: E402
 from pagedkv.model import gguf_blocks, panel  # noqa: E402
-from pagedkv.model.codes import GROUP, Q4_LEVELS, Q8_LEVELS  # noqa: E402
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down of SmolLM2-135M
 HEAD_SHAPE = (49152, 576)
+GROUP, Q4_LEVELS, Q8_LEVELS = 32, 15, 127  # a Q4_1 / Q8_0 group's weights, and their codes' largest values
 
 
-def q4_coded(n: int, k: int) -> torch.Tensor:
-    """``d * q + m`` with fp16 d, m and every group spanning q = 0..15, as llama.cpp's Q4_1 quantiser writes."""
+def q4_coded(n: int, k: int) -> tuple[torch.Tensor, panel.PanelWeight]:
+    """``(w, packed)``: ``w = d * q + m`` with fp16 d, m and every group spanning q = 0..15, as llama.cpp's Q4_1
+    quantiser writes, and its codes packed as q4."""
     d = (torch.rand(n, k // GROUP) * 0.01).half().float()
     m = (-torch.rand(n, k // GROUP) * 0.08).half().float()
     q = torch.randint(0, Q4_LEVELS + 1, (n, k // GROUP, GROUP)).float()
     q[..., 0], q[..., -1] = 0, Q4_LEVELS
-    return (q * d.unsqueeze(-1) + m.unsqueeze(-1)).reshape(n, k)
+    w = (q * d.unsqueeze(-1) + m.unsqueeze(-1)).reshape(n, k)
+    return w, panel.pack_codes(q.reshape(n, k).to(torch.uint8), d, m, "q4")
 
 
-def q8_coded(n: int, k: int) -> torch.Tensor:
-    """``q * d`` with fp16 d and |q| reaching 127 in every group, as Q8_0 writes."""
+def q8_coded(n: int, k: int) -> tuple[torch.Tensor, panel.PanelWeight]:
+    """``(w, packed)``: ``w = q * d`` with fp16 d and |q| reaching 127 in every group, as Q8_0 writes, and its
+    codes packed as q8."""
     d = (torch.rand(n, k // GROUP) * 0.001 + 1e-4).half().float()
     q = torch.randint(-Q8_LEVELS, Q8_LEVELS + 1, (n, k // GROUP, GROUP)).float()
     q[..., 0] = Q8_LEVELS
-    return (q * d.unsqueeze(-1)).reshape(n, k)
+    return (q * d.unsqueeze(-1)).reshape(n, k), panel.pack_codes(q.reshape(n, k).to(torch.int8), d, None, "q8")
 
 
 # The GGUF type each compact format holds, and the byte offsets of its blocks' fp16 scale fields (d, dmin;
@@ -93,7 +96,7 @@ def format_coded(fmt: str, n: int, k: int) -> panel.PanelWeight:
     if fmt in panel.COMPACT:
         return gguf_coded(fmt, n, k)
     if fmt == "fp32":
-        return panel.pack(torch.randn(n, k) * 0.05, fmt)
+        return panel.pack_fp32(torch.randn(n, k) * 0.05)
     if fmt in panel.HALF:
         return panel.pack_half((torch.randn(n, k) * 0.05).to(panel.HALF[fmt]), fmt)
     bits, group, has_min = panel.CODED[fmt]
@@ -127,7 +130,7 @@ def main() -> None:
         "--formats",
         nargs="*",
         choices=list(panel.FORMATS),
-        help="also time each format alone (all but the compact ones if none named)",
+        help="also time each format alone (all of them if none named)",
     )
     parser.add_argument("--format-rows", type=int, nargs="*", default=[1, 16, 128])
     args = parser.parse_args()
@@ -135,11 +138,8 @@ def main() -> None:
     if not kernels.gemm.available():
         raise SystemExit("the panel kernel could not be built; see the warning above")
     layers = 4 if args.quick else args.layers
-    weights = [q4_coded(n, k) for _ in range(layers) for n, k in LAYER_SHAPES] + [q8_coded(*HEAD_SHAPE)]
-    fp32 = [panel.pack(w, "fp32") for w in weights]
-    coded = [panel.pack(w, "q4") for w in weights[:-1]] + [panel.pack(weights[-1], "q8")]
-    if any(p is None for p in coded):
-        raise SystemExit("a synthetic weight was not packed exactly")
+    weights, coded = zip(*[q4_coded(n, k) for _ in range(layers) for n, k in LAYER_SHAPES], q8_coded(*HEAD_SHAPE))
+    fp32 = [panel.pack_fp32(w) for w in weights]
     flops_per_row = 2 * sum(w.numel() for w in weights)
     q4_bytes = sum(p.nbytes for p in coded)
     as_floats = [p.packed.view(torch.float32) for p in coded]  # the same bytes, for torch to read
@@ -199,7 +199,7 @@ def format_speeds(args: argparse.Namespace, layers: int) -> tuple[list[str], lis
     weights = {fmt: [format_coded(fmt, n, k) for n, k in shapes] for fmt in args.formats}
     x = torch.randn(3, shapes[0][1])
     for fmt, (first, *_) in weights.items():
-        decoded = panel.pack(panel.rows(first, torch.arange(first.n)), "fp32")
+        decoded = panel.pack_fp32(panel.rows(first, torch.arange(first.n)))
         if not torch.equal(panel_path(x, first, AUTO), panel_path(x, decoded, AUTO)):
             raise SystemExit(f"{fmt}: the panel does not compute with its decoded weights")
     ms = {fmt: [] for fmt in args.formats}

@@ -178,7 +178,7 @@ def test_configurations_it_does_not_cover_run_the_modules() -> None:
 
 def test_the_stack_refuses_layers_and_pools_that_do_not_fit() -> None:
     stack = stack_for(model("fp32"))._stack
-    norm, part = torch.ones(256), panel.pack(torch.zeros(32, 256), "fp32")
+    norm, part = torch.ones(256), panel.pack_fp32(torch.zeros(32, 256))
     with pytest.raises(ValueError, match="part counts and biases of 4 linears"):
         stack.add_layer(norm, norm, None, [part.packed] * 3, [32, 256, 0] * 3, [1, 1, 1], [None] * 3)
     with pytest.raises(ValueError, match="one part or more"):

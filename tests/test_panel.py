@@ -1,4 +1,4 @@
-"""Exact checkpoint codes (Q4_1, Q8_0) are recovered bit for bit, and the panel GEMM is a GEMM, in every
+"""The panel GEMM is a GEMM, in every
 panel format (fp32, f16, bf16, the quantised q4, q8, q8m, q4g16, q8g16 and the compact q4k, q6k, q5, q5k).
 
 References are independent of the code under test: weights built from known (d, q, m) codes the way
@@ -15,10 +15,10 @@ import torch
 from pagedkv import LLM, SamplingParams, kernels
 from pagedkv.extension import cpu_flags
 from pagedkv.model import gguf_blocks, panel
-from pagedkv.model.codes import GROUP, Q4_LEVELS, Q8_LEVELS, encode_q4, encode_q8
 from tests.test_gguf_blocks import random_blocks, reference
 
 SHAPES = [(960, 576), (576, 1536), (37, 96), (16, 32)]
+GROUP, Q4_LEVELS, Q8_LEVELS = 32, 15, 127  # a Q4_1 / Q8_0 group's weights, and their codes' largest values
 
 
 def q4_1_weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -43,41 +43,6 @@ def q8_0_weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tens
     q = torch.randint(-Q8_LEVELS, Q8_LEVELS + 1, (n, k // GROUP, GROUP), generator=g).float()
     q[..., 3] = Q8_LEVELS * torch.where(torch.rand(n, k // GROUP, generator=g) < 0.5, -1.0, 1.0)
     return (q * d.unsqueeze(-1)).reshape(n, k), q.reshape(n, k), d
-
-
-@pytest.mark.parametrize(("n", "k"), SHAPES)
-def test_codes_are_recovered_bit_for_bit(n: int, k: int) -> None:
-    w, q, d, m = q4_1_weight(n, k)
-    codes, d_got, m_got = encode_q4(w)
-    assert torch.equal(codes.float(), q) and torch.equal(d_got, d) and torch.equal(m_got, m)
-    w8, q8, d8 = q8_0_weight(n, k)
-    codes8, d8_got = encode_q8(w8)
-    assert torch.equal(codes8.float(), q8) and torch.equal(d8_got, d8)
-
-
-def test_constant_and_zero_groups_are_kept() -> None:
-    for w in (torch.full((3, 64), 0.25), torch.zeros(2, 32)):
-        codes, d, m = encode_q4(w)
-        assert torch.equal(codes.float().view(-1, 32) * d.view(-1, 1) + m.view(-1, 1), w.view(-1, 32))
-    assert torch.equal(encode_q8(torch.zeros(2, 32))[0], torch.zeros(2, 32, dtype=torch.int8))
-
-
-@pytest.mark.parametrize(
-    "weight",
-    [torch.randn(64, 576), torch.randn(64, 576).half().float(), torch.randn(8, 40)],
-    ids=["normal", "fp16-normal", "k-not-multiple-of-32"],
-)
-def test_uncoded_weights_are_rejected(weight: torch.Tensor) -> None:
-    assert encode_q4(weight) is None and encode_q8(weight) is None
-
-
-def test_one_changed_weight_is_rejected() -> None:
-    w = q4_1_weight(100, 64)[0]
-    w[80, 17] += 1e-3  # beyond the 64 probe rows: the full check must catch it
-    assert encode_q4(w) is None
-    w8 = q8_0_weight(16, 64)[0]
-    w8[5, 17] = torch.nextafter(w8[5, 17], torch.tensor(1.0))  # one ulp
-    assert encode_q8(w8) is None
 
 
 needs_kernel = pytest.mark.skipif(not kernels.gemm.available(), reason="the panel kernel could not be built here")
@@ -143,13 +108,16 @@ def gguf_weight(ggml_type: int, fmt: str, n: int, k: int, seed: int = 0) -> tupl
 
 
 def _panels(n: int, k: int, extreme: bool = False) -> dict[str, tuple[torch.Tensor, panel.PanelWeight]]:
-    """Every format whose group (or block) divides ``k``: ``fmt -> (w, packed)``. fp32, and q4 / q8 from
-    model-like weights unless ``extreme``, through :func:`panel.pack`; the others from their codes, bits or
-    GGUF blocks (whose scales include extremes either way)."""
-    out = {"fp32": torch.randn(n, k) * 0.05}
+    """Every format whose group (or block) divides ``k``: ``fmt -> (w, packed)``. fp32, and q4 / q8 with
+    model-like Q4_1 / Q8_0 codes unless ``extreme``; the others from their codes, bits or GGUF blocks (whose
+    scales include extremes either way)."""
+    w = torch.randn(n, k) * 0.05
+    out = {"fp32": (w, panel.pack_fp32(w))}
     if k % GROUP == 0 and not extreme:
-        out |= {"q4": q4_1_weight(n, k, seed=n)[0], "q8": q8_0_weight(n, k, seed=k)[0]}
-    out = {fmt: (w, panel.pack(w, fmt)) for fmt, w in out.items()}
+        w4, q4, d4, m4 = q4_1_weight(n, k, seed=n)
+        w8, q8, d8 = q8_0_weight(n, k, seed=k)
+        out["q4"] = (w4, panel.pack_codes(q4.to(torch.uint8), d4, m4, "q4"))
+        out["q8"] = (w8, panel.pack_codes(q8.to(torch.int8), d8, None, "q8"))
     for fmt, (_, group, _) in panel.CODED.items():
         if k % group == 0 and fmt not in out:
             out[fmt] = coded_weight(fmt, n, k, seed=n + k, extreme=extreme)
@@ -280,7 +248,7 @@ def test_every_path_sums_in_the_documented_order(n: int, k: int, threads: int) -
     inputs: one chain per chunk (the order before) gives other bits."""
     g = torch.Generator().manual_seed(n + k)
     w = _exact_grid_values((n, k), g)
-    packed = panel.pack(w, "fp32")
+    packed = panel.pack_fp32(w)
     x = _exact_grid_values((13, k), g)
     want = _ordered_sums(x, w, partials=2)
     assert not torch.equal(want, _ordered_sums(x, w, partials=1))
@@ -301,7 +269,7 @@ def test_codes_compute_with_exactly_their_weights(n: int, k: int, extreme: bool,
     for fmt, (w, packed) in _panels(n, k, extreme).items():
         if fmt == "fp32":
             continue
-        fp32 = panel.pack(w, "fp32")
+        fp32 = panel.pack_fp32(w)
         for rows in range(1, 14):
             x = torch.randn(rows, k, generator=g)
             for path in PATHS:
@@ -319,7 +287,7 @@ def test_rows_read_back_exactly_the_packed_weights(extreme: bool) -> None:
         for fmt, (w, packed) in _panels(37, k, extreme).items():
             assert torch.equal(panel.rows(packed, ids).view(torch.int32), w[ids].view(torch.int32)), fmt
     with pytest.raises(ValueError, match=r"ids\[1\] = 37 is outside \[0, 37\)"):  # the padded lane is no row
-        panel.rows(panel.pack(torch.randn(37, 96), "fp32"), torch.tensor([0, 37]))
+        panel.rows(panel.pack_fp32(torch.randn(37, 96)), torch.tensor([0, 37]))
 
 
 def _into(x: torch.Tensor, packed: panel.PanelWeight, y: torch.Tensor, col: int, path: int) -> None:
@@ -387,7 +355,7 @@ def test_bad_codes_and_outputs_are_refused() -> None:
 
 @needs_kernel
 def test_the_path_is_checked() -> None:
-    packed = panel.pack(torch.randn(16, 32), "fp32")
+    packed = panel.pack_fp32(torch.randn(16, 32))
     with pytest.raises(RuntimeError, match="unknown path"):
         _path(torch.randn(1, 32), packed, 4)
     if not has_avx512:
@@ -397,35 +365,43 @@ def test_the_path_is_checked() -> None:
 
 @needs_kernel
 def test_panel_linear_strided_empty_and_bad_inputs() -> None:
-    w = q4_1_weight(48, 96)[0]
-    packed = panel.pack(w, "q4")
+    w, q, d, m = q4_1_weight(48, 96)
+    packed = panel.pack_codes(q.to(torch.uint8), d, m, "q4")
     x = torch.randn(2, 5, 192)[..., ::2]  # non-contiguous, 3-D
     torch.testing.assert_close(panel.panel_linear(x, packed), x @ w.T, rtol=1e-5, atol=1e-5)
     assert panel.panel_linear(torch.empty(0, 96), packed).shape == (0, 48)
     with pytest.raises(ValueError, match="features"):
         panel.panel_linear(torch.randn(3, 64), packed)
-    with pytest.raises(ValueError, match="format"):
-        panel.pack(w, "q2")
-    assert panel.pack(torch.randn(8, 64), "q4") is None
+    with pytest.raises(ValueError, match="fp32 weight"):
+        panel.pack_fp32(w.half())
 
 
-def test_default_model_layers_hold_exact_codes(default_model) -> None:
-    """The projections are Q4_1 in the default GGUF and the tied embedding / LM head is Q8_0.
+@needs_kernel
+def test_the_default_model_computes_on_the_files_own_codes(hf_default_model) -> None:
+    """Loaded natively, the default model's projections are its file's Q4_1 codes (q4) and its tied head the
+    Q8_0 ones (q8), and the weights they hold read back as HF's (transformers de-quantises the file with
+    gguf's numpy code), bit for bit. First, middle and last layer, and the head."""
+    from pagedkv.model.loader import load_model
 
-    First, middle and last layer only: touching all 540 MB of weights costs seconds on a loaded machine.
-    """
-    model = default_model.model
-    for i in (0, len(model.layers) // 2, len(model.layers) - 1):
-        layer = model.layers[i]
-        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            codes, d, m = encode_q4(linear.weight.data)
-            n, k = linear.weight.shape
-            rebuilt = codes.float().view(n, -1, GROUP) * d.unsqueeze(-1) + m.unsqueeze(-1)
-            assert torch.equal(rebuilt.view(n, k), linear.weight.data), i
-    head = model.lm_head.weight.data
-    assert encode_q4(head) is None
-    codes, d = encode_q8(head)
-    assert torch.equal((codes.float().view(head.shape[0], -1, GROUP) * d.unsqueeze(-1)).view(head.shape), head)
+    ours, theirs = load_model(None, kernels=True).model, hf_default_model.model
+
+    def held(linear) -> torch.Tensor:
+        return torch.cat([panel.rows(part, torch.arange(part.n)) for part in linear.panels])
+
+    for i in (0, len(ours.layers) // 2, len(ours.layers) - 1):
+        a, b = ours.layers[i], theirs.layers[i]
+        for linear, refs in (
+            (a.self_attn.qkv_proj, (b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj)),
+            (a.self_attn.o_proj, (b.self_attn.o_proj,)),
+            (a.mlp.gate_up_proj, (b.mlp.gate_proj, b.mlp.up_proj)),
+            (a.mlp.down_proj, (b.mlp.down_proj,)),
+        ):
+            assert {part.format for part in linear.panels} == {"q4"}, i  # a part per fused projection
+            want = torch.cat([ref.weight.detach() for ref in refs])
+            assert torch.equal(held(linear).view(torch.int32), want.view(torch.int32)), i
+    assert [part.format for part in ours.lm_head.panels] == ["q8"]
+    head = hf_default_model.lm_head.weight.detach()
+    assert torch.equal(held(ours.lm_head).view(torch.int32), head.view(torch.int32))
 
 
 @pytest.mark.slow
@@ -475,7 +451,7 @@ def test_a_broken_compiler_falls_back_to_torch(monkeypatch, tmp_path, caplog) ->
     assert sum("could not be built" in r.getMessage() for r in caplog.records) == 1
     assert any("kernels=True asked for" in r.getMessage() for r in caplog.records)
     with pytest.raises(RuntimeError, match="kernels=False"):
-        panel.panel_linear(torch.randn(2, 32), panel.pack(torch.randn(16, 32), "fp32"))
+        panel.panel_linear(torch.randn(2, 32), panel.pack_fp32(torch.randn(16, 32)))
     assert sum("could not be built" in r.getMessage() for r in caplog.records) == 2  # the GEMM's own attempt
     monkeypatch.setenv(kernels.ENV_VAR, "mkl")
     with pytest.raises(ValueError, match=kernels.ENV_VAR):

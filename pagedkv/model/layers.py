@@ -61,7 +61,7 @@ class Linear(nn.Module):
         """
         if self.weight.dtype != torch.float32 or self.weight.shape[0] == 0:
             return False
-        self.panels = (panel.pack(self.weight.data, "fp32"),)
+        self.panels = (panel.pack_fp32(self.weight.data),)
         return True
 
     def release_weight(self) -> None:
@@ -115,7 +115,7 @@ class Linear(nn.Module):
         if tensor.ggml_type in gguf_blocks.TYPES:
             part = gguf_blocks.pack(tensor.data.contiguous(), tensor.ggml_type, rows, tensor.k)
         else:
-            part = panel.pack(gguf_weights.dequantize_without_kernel(tensor), "fp32")
+            part = panel.pack_fp32(gguf_weights.dequantize_without_kernel(tensor))
         self._coded_parts[offset] = part
         if sum(p.n for p in self._coded_parts.values()) == out_features:
             self.panels = tuple(part for _, part in sorted(self._coded_parts.items()))

@@ -15,9 +15,8 @@ one of these formats (the C++ header has the byte layouts):
   ``"q6k"`` (Q6_K; 0.83), ``"q5"`` (Q5_0; 0.75), ``"q5k"`` (Q5_K; 0.72) (:data:`COMPACT`). Only
   :func:`pagedkv.model.gguf_blocks.pack` packs them.
 
-:func:`pack` packs an fp32 weight as fp32, or as q4 / q8 where :mod:`pagedkv.model.codes` recovers its exact
-codes; :func:`pack_codes` and :func:`pack_half` pack codes and half-precision bits directly (a GGUF file's
-own are packed by :mod:`pagedkv.model.gguf_blocks`). Every format computes with exactly its weights in fp32,
+:func:`pack_fp32` packs an fp32 weight; :func:`pack_codes` and :func:`pack_half` pack codes and half-precision
+bits (a GGUF file's own blocks are packed by :mod:`pagedkv.model.gguf_blocks`). Every format computes with exactly its weights in fp32,
 and every output is summed in one fixed order, so the result of a row does not depend on the batch it runs
 in, nor on the format that holds the same weights.
 
@@ -33,7 +32,6 @@ import torch
 from torch import Tensor
 
 from pagedkv import kernels
-from pagedkv.model import codes
 
 PANEL = 16
 COMPACT = {"q4k": 8, "q6k": 9, "q5": 10, "q5k": 11}
@@ -72,22 +70,13 @@ class PanelWeight:
         return self.packed.nbytes
 
 
-def pack(weight: Tensor, format: str) -> PanelWeight | None:
-    """Pack an fp32 weight ``[n, k]`` as ``"fp32"``, ``"q4"`` or ``"q8"``; None if ``format`` is a code that does
-    not reproduce it exactly."""
-    if format not in ("fp32", "q4", "q8"):
-        raise ValueError(f"format must be fp32, q4 or q8 (pack_codes / pack_half pack the others), got {format!r}")
+def pack_fp32(weight: Tensor) -> PanelWeight:
+    """An fp32 weight ``[n, k]`` packed as ``"fp32"``: its values reordered into panels."""
     if weight.dim() != 2 or weight.dtype != torch.float32:
         raise ValueError(f"need an fp32 weight [n, k], got {weight.dtype} {tuple(weight.shape)}")
     n, k = weight.shape
-    if format == "fp32":
-        panels = _pad_rows(weight.detach(), n).view(-1, PANEL, k).transpose(1, 2)
-        return PanelWeight(panels.contiguous().view(torch.uint8), n, k, format)
-    coded = codes.encode_q4(weight) if format == "q4" else codes.encode_q8(weight)
-    if coded is None:
-        return None
-    q, d, *m = coded
-    return pack_codes(q, d, m[0] if m else None, format)
+    panels = _pad_rows(weight.detach(), n).view(-1, PANEL, k).transpose(1, 2)
+    return PanelWeight(panels.contiguous().view(torch.uint8), n, k, "fp32")
 
 
 def pack_codes(q: Tensor, d: Tensor, m: Tensor | None, format: str) -> PanelWeight:
