@@ -80,10 +80,22 @@ class BlockDirectory:
         return read_regular_file(name, limit, self._fd)
 
     def touch(self, name: str) -> None:
-        """Mark a file used now, in nanoseconds (file systems stamp writes with a coarse clock)."""
+        """Mark a file used now, in nanoseconds (file systems stamp writes with a coarse clock).
+
+        Only a file the tier could have written: a regular file with one name. A hard link planted under a
+        block's name is the user's file too, and touching it by name changed that file's mtime (a prefix hit
+        in memory touches the block's file on disk, whatever is there now). So the file is opened (no
+        symlink followed, no FIFO waited on), checked, and stamped through its descriptor.
+        """
         now = time.time_ns()
         with contextlib.suppress(OSError):
-            os.utime(name, ns=(now, now), dir_fd=self._fd, follow_symlinks=False)
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self._fd)
+            try:
+                info = os.fstat(fd)
+                if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
+                    os.utime(fd, ns=(now, now))
+            finally:
+                os.close(fd)
 
     def put(self, name: str, blob: bytes) -> bool:
         """Write ``blob`` as file ``name``, atomically, after making room; False if it can never fit."""
