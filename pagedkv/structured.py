@@ -34,6 +34,7 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 from pagedkv.errors import InvalidParameter
 from pagedkv.grammar_probe import probe
 from pagedkv.json_text import loads_bounded
+from pagedkv.lark_base_case import never_ending_rules
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 CACHE_SIZE = 256  # compiled grammars (and refusals) kept, least recently used dropped
@@ -119,6 +120,14 @@ class StructuredOutputsParams:
             except (TypeError, ValueError) as exc:
                 message = f"structured_outputs.grammar is not valid GBNF: {exc}"
                 raise InvalidParameter("structured_outputs", message) from exc
+        never_ending = never_ending_rules(grammar)
+        if never_ending:  # compiles, and its first masks are fine, but no text ever completes it
+            names = ", ".join(never_ending[:5]) + (", ..." if len(never_ending) > 5 else "")
+            message = (
+                f"structured_outputs.grammar matches no text: the rules {names} can never end (each of their "
+                "alternatives needs one of them again): give each recursive rule a base case"
+            )
+            raise InvalidParameter("structured_outputs", message)
         return llguidance.LLMatcher.grammar_from_lark(grammar)
 
     @classmethod

@@ -1,0 +1,101 @@
+"""The door checks of structured outputs that need no model (issue 25 row 4): JSON text read with a depth
+bound, and Lark grammars whose start can never end -- found without refusing any grammar that can."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from llguidance.gbnf_to_lark import gbnf_to_lark
+
+from pagedkv.errors import InvalidParameter
+from pagedkv.json_text import loads_bounded, nesting_depth
+from pagedkv.lark_base_case import never_ending_rules
+from pagedkv.structured import MAX_CHOICES, StructuredOutputsParams
+
+
+def test_json_text_is_parsed_only_within_the_depth_bound():
+    assert loads_bounded('{"a": [1, {"b": "[[[["}]}', 3) == {"a": [1, {"b": "[[[["}]}  # brackets in strings
+    assert nesting_depth('["\\"[[", [[]]]') == 3
+    for deep in ("[" * 5000 + "]" * 5000, '{"a": ' * 5000 + "1" + "}" * 5000, "[" * 100_000):
+        with pytest.raises(ValueError, match="deeper than 64"):
+            loads_bounded(deep, 64)
+    with pytest.raises(ValueError):
+        loads_bounded("{not json", 64)
+    started = time.perf_counter()
+    nesting_depth(json.dumps({"k": ["x" * 50] * 1000}))  # ~55 KB of strings
+    assert time.perf_counter() - started < 0.5
+
+
+def test_a_schema_given_as_deep_text_is_a_parameter_error_not_a_recursion_error():
+    with pytest.raises(InvalidParameter, match="nests deeper than 64 levels") as caught:
+        StructuredOutputsParams(json="[" * 1000 + "]" * 1000).to_grammar()
+    assert caught.value.param == "structured_outputs"
+
+
+def test_choices_are_capped():
+    StructuredOutputsParams(choice=["x"] * MAX_CHOICES)
+    with pytest.raises(InvalidParameter, match=f"at most {MAX_CHOICES}"):
+        StructuredOutputsParams(choice=["x"] * (MAX_CHOICES + 1))
+
+
+NEVER_ENDING = [
+    ('start: a\na: "x" a', ["a", "start"]),
+    ('start: "y" a\na: "x" a | "z" a', ["a", "start"]),
+    ('start: start "x"', ["start"]),
+    ("start: a\na: b\nb: a", ["a", "b", "start"]),
+    ('start: a ~ 2\na: "x" a', ["a", "start"]),
+    ('start: (a "q")+\na: "x" a', ["a", "start"]),
+    ('start: expr\nexpr: expr "+" term\n    | "(" expr ")"\nterm: /[0-9]+/', ["expr", "start"]),
+    (gbnf_to_lark('root ::= "x" root'), ["start"]),
+]
+ENDING = [
+    'start: a\na: "x" a | "y"',
+    'start: a*\na: "x" a',
+    'start: a?\na: "x" a',
+    'start: [a]\na: "x" a',
+    'start: a ~ 0..3\na: "x" a',
+    'start: (a | "q")\na: "x" a',
+    'start: item+\nitem: NUMBER | "(" start ")"\nNUMBER: /[0-9]+/',
+    'start: expr\nexpr: expr "+" term\n    | term\nterm: /[0-9]+/',
+    "%import common.NUMBER\nstart: NUMBER",
+    'start: obj\nobj: %json {"type": "object", "properties": {"a": {"type": "string", "pattern": "}{"}}}',
+    'start: /[^/]+/ "x"',
+    '// a comment\nstart: "a".."z"+ // and another\n',
+    'start: <|im_end|> | "x"',
+    'start[stop="\\n"]: "x"*',
+    '?start.2: "a" -> alias',
+    gbnf_to_lark('root ::= "yes" | "no" | "maybe " root'),
+    gbnf_to_lark('root ::= item+\nitem ::= [a-z] | "(" root ")"'),
+]
+
+
+@pytest.mark.parametrize(("text", "rules"), NEVER_ENDING)
+def test_a_start_that_can_never_end_is_found(text, rules):
+    assert never_ending_rules(text) == rules
+
+
+@pytest.mark.parametrize("text", ENDING)
+def test_grammars_that_can_end_are_not_refused(text):
+    assert never_ending_rules(text) == []
+
+
+def test_what_it_cannot_read_gets_no_verdict_and_hostile_sizes_stay_fast():
+    assert never_ending_rules("start: weird & thing") is None  # not understood: left to llguidance
+    assert never_ending_rules('other: "x"') is None  # no start rule
+    assert never_ending_rules("start: " + "(" * 5000 + '"x"' + ")" * 5000) is None  # too deep to read here
+    chain = "start: r3000\n" + "\n".join(f'r{i + 1}: "x" r{i}' for i in range(3000)) + '\nr0: "end"'
+    wide = "start: " + " ".join(f"r{i}" for i in range(3000)) + "\n"
+    wide += "\n".join(f'r{i}: "x" r{i + 1}' for i in range(2999)) + '\nr2999: "e"'
+    started = time.perf_counter()
+    assert never_ending_rules(chain) == []  # settles in one walk whatever the order of its rules
+    assert never_ending_rules(wide) in ([], None)  # no verdict rather than quadratic time
+    assert time.perf_counter() - started < 2.0
+
+
+def test_a_grammar_that_can_never_end_is_a_parameter_error():
+    with pytest.raises(InvalidParameter, match="the rules a, start can never end") as caught:
+        StructuredOutputsParams(grammar='start: "y" a\na: "x" a | "z" a').to_grammar()
+    assert caught.value.param == "structured_outputs"
+    StructuredOutputsParams(grammar='start: "y" a\na: "x" a | "z"').to_grammar()
