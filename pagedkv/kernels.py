@@ -84,6 +84,20 @@ class CompiledLibrary:
                 raise UnsafeCacheDirectory(self._refused)
             return self.loaded
 
+    def start_building(self) -> None:
+        """Load or build the library on a thread of its own, so that a first start compiles it while the
+        caller builds another one (each build's compiler runs single-threaded for long stretches, and a
+        2-core machine otherwise idles one core for the whole GEMM build). :meth:`available` then waits for it.
+        """
+        if not self._tried and not self._lock.locked():
+            threading.Thread(target=self._available_quietly, name=f"build-{self.name}", daemon=True).start()
+
+    def _available_quietly(self) -> None:
+        try:
+            self.available()
+        except UnsafeCacheDirectory:
+            pass  # raised again at the caller's own available(), where it is the user's to fix
+
     def require(self, instead: str) -> None:
         """Raise RuntimeError naming ``instead`` unless the library is loaded (one attribute read once it is)."""
         if not self.loaded and not self.available():
@@ -137,6 +151,8 @@ def use_kernels(requested: bool | None) -> bool:
         if value not in ("0", "1"):
             raise ValueError(f"${ENV_VAR}={value!r}: set it to 1 (compiled ops) or 0 (torch's ops), or unset it")
         requested, source = value == "1", f"${ENV_VAR}=1"
+    if requested is not False:
+        gemm.start_building()  # built beside the portable library, not after it
     on = use_compiled(requested, source, portable)
     if on and requested:
         use_compiled(requested, source, gemm)  # says so if the GEMM cannot be built
