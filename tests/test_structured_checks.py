@@ -4,6 +4,7 @@ bound, and Lark grammars whose start can never end -- found without refusing any
 from __future__ import annotations
 
 import json
+import random
 import time
 
 import pytest
@@ -99,3 +100,66 @@ def test_a_grammar_that_can_never_end_is_a_parameter_error():
         StructuredOutputsParams(grammar='start: "y" a\na: "x" a | "z" a').to_grammar()
     assert caught.value.param == "structured_outputs"
     StructuredOutputsParams(grammar='start: "y" a\na: "x" a | "z"').to_grammar()
+
+
+def test_random_grammars_get_the_verdict_of_a_direct_fixpoint():
+    """Random rules of literals, regexes, groups, optionals and repeats: the verdict on their Lark text
+    matches the productive-rules fixpoint computed on the structure they were written from."""
+    rnd = random.Random(7)
+    names = ["start", "a", "b", "c", "d"]
+    atoms = ['"x"', "/[a-z]+/", '"a".."z"', '%json {"type": "integer"}', "<|im_end|>"]
+
+    def item(depth: int) -> tuple:
+        k = rnd.random()
+        if k < 0.35:
+            return ("ref", rnd.choice(names))
+        if k < 0.55:
+            return ("atom", rnd.choice(atoms))
+        if depth < 2 and k < 0.8:
+            return ("group" if k < 0.7 else "optional", [sequence(depth + 1) for _ in range(rnd.randrange(1, 3))])
+        if k < 0.9:
+            return ("postfix", rnd.choice("?*+"), item(depth + 1))
+        return ("repeat", rnd.choice([0, 1, 2]), item(depth + 1))
+
+    def sequence(depth: int) -> list:
+        return [item(depth) for _ in range(rnd.randrange(1, 4))]
+
+    def text(it: tuple) -> str:
+        kind = it[0]
+        if kind in ("ref", "atom"):
+            return it[1]
+        if kind in ("group", "optional"):
+            inner = " | ".join(" ".join(text(i) for i in s) for s in it[1])
+            return f"({inner})" if kind == "group" else f"[{inner}]"
+        if kind == "postfix":
+            return text(it[2]) + it[1]
+        return f"{text(it[2])} ~ {it[1]}"
+
+    def ends(it: tuple, productive: set[str]) -> bool:
+        kind = it[0]
+        if kind == "ref":
+            return it[1] in productive
+        if kind == "group":
+            return any(all(ends(i, productive) for i in s) for s in it[1])
+        if kind == "postfix":
+            return it[1] in "?*" or ends(it[2], productive)
+        if kind == "repeat":
+            return it[1] == 0 or ends(it[2], productive)
+        return True  # an atom, an optional
+
+    verdicts = set()
+    for _ in range(500):
+        rules = {name: [sequence(0) for _ in range(rnd.randrange(1, 3))] for name in names}
+        productive: set[str] = set()
+        while True:
+            new = {n for n, alts in rules.items() if any(all(ends(i, productive) for i in s) for s in alts)}
+            if new == productive:
+                break
+            productive = new
+        grammar = "\n".join(
+            f"{name}: " + "\n    | ".join(" ".join(text(i) for i in s) for s in alts) for name, alts in rules.items()
+        )
+        verdict = never_ending_rules(grammar)
+        assert verdict is not None and (verdict == []) == ("start" in productive), grammar
+        verdicts.add(verdict == [])
+    assert verdicts == {True, False}  # both kinds were drawn
