@@ -78,6 +78,8 @@ COMPACT_TYPES = {
     "q6k": (GGMLQuantizationType.Q6_K, (208,)),
     "q5": (GGMLQuantizationType.Q5_0, (0,)),
     "q5k": (GGMLQuantizationType.Q5_K, (0, 2)),
+    "q2k": (GGMLQuantizationType.Q2_K, (80, 82)),
+    "q3k": (GGMLQuantizationType.Q3_K, (108,)),
 }
 
 

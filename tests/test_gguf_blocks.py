@@ -89,6 +89,8 @@ COMPACT = {
     "q6k": (256, 16, 2, False, 32),
     "q5": (32, 32, 1, False, 16),
     "q5k": (256, 32, 1, True, 0),
+    "q2k": (256, 16, 0, True, 0),
+    "q3k": (256, 16, 0, False, 4),
 }
 
 
@@ -115,7 +117,7 @@ def read_compact(weight: PanelWeight) -> torch.Tensor:
     codes, scales, mins = [], [], []
     for _ in range(unit // sub):
         if sub < unit:
-            scales.append(take(16, torch.int8 if weight.format == "q6k" else torch.uint8, 1).float())
+            scales.append(take(16, torch.int8 if weight.format in ("q6k", "q3k") else torch.uint8, 1).float())
             if has_min:
                 mins.append(take(16, torch.uint8, 1).float())
         words = take(64, torch.int32, 1) if high else None

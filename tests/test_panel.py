@@ -343,8 +343,8 @@ def test_bad_codes_and_outputs_are_refused() -> None:
     packed = panel.pack_codes(q, d, m, "q4")
     with pytest.raises(ValueError, match="multiple of 32"):  # the C++ check, for a caller that skips panel.py
         torch.ops.pagedkv.panel_linear(torch.randn(1, 48), packed.packed, 16, 48, panel.FORMATS["q4"])
-    with pytest.raises(ValueError, match="unknown format 12"):
-        torch.ops.pagedkv.panel_linear(torch.randn(1, 64), packed.packed, 16, 64, 12)
+    with pytest.raises(ValueError, match="unknown format 14"):
+        torch.ops.pagedkv.panel_linear(torch.randn(1, 64), packed.packed, 16, 64, 14)
     with pytest.raises(ValueError, match="multiple of 256"):
         torch.ops.pagedkv.panel_linear(torch.randn(1, 64), packed.packed, 16, 64, panel.FORMATS["q4k"])
     x = torch.randn(3, 64)

@@ -11,7 +11,7 @@
 // and Q5_0 also the file's own two-level scales. A type packs into one of two panel formats:
 //   - its "wide" one (q4, q8, q8m, q4g16, q8g16): the codes, and d (and m) per group multiplied out in fp32
 //     per output: Q4_K in q4 takes 0.75 bytes a weight where the file takes 0.5625;
-//   - a compact one (q4k, q6k, q5, q5k; Q4_K, Q6_K, Q5_0, Q5_K only): the file's unsigned codes, its fp16
+//   - a compact one (q4k, q6k, q5, q5k, q2k, q3k; the K-quants and Q5_0): the file's unsigned codes, its fp16
 //     block scale(s) widened to fp32 and its integer sub-block scales (and mins) as bytes, so within 6 % of
 //     the file's size; the GEMM multiplies the scales out in registers, once per sub-block.
 // gguf_rows computes d * q + m (formats with a min) or d * q from the wide description; the GEMM computes
@@ -46,7 +46,7 @@ constexpr int64_t kMinGroup = 16;  // the smallest group of a panel format (q4g1
 // Panel format codes, as panel_linear takes them (kNone: a type without a compact format).
 enum Format : int64_t {
   kNone = -1, kF32 = 0, kQ4 = 1, kQ8 = 2, kQ8m = 3, kQ4g16 = 4, kQ8g16 = 5, kF16 = 6, kBF16 = 7,
-  kQ4K = 8, kQ6K = 9, kQ5 = 10, kQ5K = 11
+  kQ4K = 8, kQ6K = 9, kQ5 = 10, kQ5K = 11, kQ2K = 12, kQ3K = 13
 };
 
 // One record of a quantised format holds `group` k for 16 outputs: codes [group][16] (4-bit codes two k to
@@ -105,11 +105,14 @@ constexpr Compact compact_of(int64_t format) {
     case kQ4K: return {256, 32, 0, true, 0};
     case kQ6K: return {256, 16, 2, false, 32};
     case kQ5: return {32, 32, 1, false, 16};
+    case kQ2K: return {256, 16, 0, true, 0};
+    case kQ3K: return {256, 16, 0, false, 4};
     default: return {256, 32, 1, true, 0};  // kQ5K
   }
 }
 static_assert(compact_of(kQ4K).bytes() == 2432 && compact_of(kQ6K).bytes() == 3392 &&
-              compact_of(kQ5).bytes() == 384 && compact_of(kQ5K).bytes() == 2944);
+              compact_of(kQ5).bytes() == 384 && compact_of(kQ5K).bytes() == 2944 &&
+              compact_of(kQ2K).bytes() == 2688 && compact_of(kQ3K).bytes() == 2368);
 // one high-bits word per output and sub-block
 static_assert(compact_of(kQ6K).high * compact_of(kQ6K).sub == 32 && compact_of(kQ5).high * compact_of(kQ5).sub == 32 &&
               compact_of(kQ5K).high * compact_of(kQ5K).sub == 32);
@@ -197,21 +200,24 @@ void decode_q8_0(const uint8_t* b, Block& out) {  // d, int8 qs[32]: w = d * q
 
 void decode_q2_k(const uint8_t* b, Block& out) {  // scales[16], qs[64], d, dmin; per 16: (d sc) q - dmin mn
   const uint8_t* scales = b;
-  const float d = half_at(b + 80), dmin = half_at(b + 82);
+  const float d = out.block_d = half_at(b + 80), dmin = out.block_dmin = half_at(b + 82);
   for (int s = 0; s < 16; ++s) {
-    out.d[s] = d * static_cast<float>(scales[s] & 0x0F);
-    out.m[s] = -(dmin * static_cast<float>(scales[s] >> 4));
+    out.scale[s] = static_cast<int8_t>(scales[s] & 0x0F);
+    out.min[s] = static_cast<uint8_t>(scales[s] >> 4);
+    out.d[s] = d * static_cast<float>(out.scale[s]);
+    out.m[s] = -(dmin * static_cast<float>(out.min[s]));
   }
   crumbs(b + 16, out.q);
 }
 
 void decode_q3_k(const uint8_t* b, Block& out) {  // hmask[32], qs[64], scales[12], d; per 16: d (sc - 32) q
   const uint8_t* scales = b + 96;
-  const float d = half_at(b + 108);
+  const float d = out.block_d = half_at(b + 108);
   for (int s = 0; s < 16; ++s) {  // low 4 bits: nibbles of bytes 0-7; high 2: crumbs of bytes 8-11
     const int low = s < 8 ? scales[s] & 0x0F : scales[s - 8] >> 4;
     const int high = (scales[8 + s % 4] >> (2 * (s / 4))) & 3;
-    out.d[s] = d * static_cast<float>((low | high << 4) - 32);
+    out.scale[s] = static_cast<int8_t>((low | high << 4) - 32);
+    out.d[s] = d * static_cast<float>(out.scale[s]);
   }
   int8_t high[256];
   crumbs(b + 32, out.q);
@@ -303,8 +309,8 @@ constexpr GgmlType kTypes[] = {
     {6, "Q5_0", 32, 22, kQ8, kQ5, decode_q5_0, nullptr},
     {7, "Q5_1", 32, 24, kQ8m, kNone, decode_q5_1, nullptr},
     {8, "Q8_0", 32, 34, kQ8, kNone, decode_q8_0, nullptr},
-    {10, "Q2_K", 256, 84, kQ4g16, kNone, decode_q2_k, nullptr},
-    {11, "Q3_K", 256, 110, kQ8g16, kNone, decode_q3_k, nullptr},
+    {10, "Q2_K", 256, 84, kQ4g16, kQ2K, decode_q2_k, nullptr},
+    {11, "Q3_K", 256, 110, kQ8g16, kQ3K, decode_q3_k, nullptr},
     {12, "Q4_K", 256, 144, kQ4, kQ4K, decode_q4_k, nullptr},
     {13, "Q5_K", 256, 176, kQ8m, kQ5K, decode_q5_k, nullptr},
     {14, "Q6_K", 256, 210, kQ8g16, kQ6K, decode_q6_k, nullptr},
@@ -434,6 +440,8 @@ void pack_panel(const GgmlType& t, int64_t format, const uint8_t* raw, int64_t r
       case kQ4K: return pack_compact<kQ4K>(t, rows, row_bytes, lanes, k, out);
       case kQ6K: return pack_compact<kQ6K>(t, rows, row_bytes, lanes, k, out);
       case kQ5: return pack_compact<kQ5>(t, rows, row_bytes, lanes, k, out);
+      case kQ2K: return pack_compact<kQ2K>(t, rows, row_bytes, lanes, k, out);
+      case kQ3K: return pack_compact<kQ3K>(t, rows, row_bytes, lanes, k, out);
       default: return pack_compact<kQ5K>(t, rows, row_bytes, lanes, k, out);
     }
   }

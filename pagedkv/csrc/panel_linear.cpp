@@ -26,8 +26,8 @@
 // q4k). A record holds one block of U k of the 16 outputs, in the order the kernels read it, front to back
 // (a record read out of order streams at half the speed: the prefetches below run ahead in address order):
 // float d[16], the block's fp16 d widened (with a min, then dmin[16]); then each sub-block of S k:
-//   scales       u8 [16] (q6k: int8; none in q5), the sub-block's scale of each output; with a min, then the
-//                mins, u8 [16]
+//   scales       u8 [16] (q6k, q3k: int8; none in q5), the sub-block's scale of each output; with a min, then
+//                the mins, u8 [16]
 //   high bits    u32 [16] (H > 0): an output's word holds the H bits past the nibble of the sub-block's k = j
 //                at bits H j (S = 32 / H), so one load brings the sub-block's high bits for 16 outputs, and a
 //                k's are one shift and one and away from bit 4 of its code
@@ -38,6 +38,11 @@
 //   9     q6k    256  16  2  3392 record    (d sc[s]) (u - 32)                           Q6_K
 //   10    q5     32   -   1  384 record     d (u - 16)                                   Q5_0
 //   11    q5k    256  32  1  2944 record    fma(u, d sc[s], -(dmin mn[s]))               Q5_K
+//   12    q2k    256  16  0  2688 record    fma(u, d sc[s], -(dmin mn[s]))               Q2_K (u: 0..3)
+//   13    q3k    256  16  0  2368 record    (d sc[s]) (u - 4)                            Q3_K (u: 0..7, sc - 32)
+//
+// (Q2_K and Q3_K keep their 2- and 3-bit codes in nibbles: 0.66 and 0.58 bytes a weight against the file's
+// 0.33 and 0.43, where q4g16 / q8g16 take 1 and 1.25.)
 //
 // The weights are exactly those gguf's numpy dequantize computes in fp32. With a min, d * q is exact: d has at
 // most 17 significant bits (an fp16 value times a 6-bit scale) and q at most 7 (|q| <= 128), 24 in all; so
@@ -111,7 +116,7 @@ constexpr int kTile = 3;           // x rows per register tile: 3 x 2 partials x
 constexpr int kPartials = 2;       // interleaved partial sums per output and chunk (the header's order)
 static_assert(kPartials == 2, "the kernels add their partials as s0 + s1");
 
-enum Format : int { kF32, kQ4, kQ8, kQ8M, kQ4G16, kQ8G16, kF16, kBF16, kQ4K, kQ6K, kQ5, kQ5K, kFormats };
+enum Format : int { kF32, kQ4, kQ8, kQ8M, kQ4G16, kQ8G16, kF16, kBF16, kQ4K, kQ6K, kQ5, kQ5K, kQ2K, kQ3K, kFormats };
 
 // What one format's panel holds, k ascending, in "units": a record of G k, or one k of a float format.
 template <int Bits, int64_t Group, bool Min>
@@ -160,10 +165,12 @@ template <> struct Spec<kQ4K> : Blocks<256, 32, 0, true, 0, false> {};
 template <> struct Spec<kQ6K> : Blocks<256, 16, 2, false, 32, true> {};
 template <> struct Spec<kQ5> : Blocks<32, 32, 1, false, 16, false> {};
 template <> struct Spec<kQ5K> : Blocks<256, 32, 1, true, 0, false> {};
+template <> struct Spec<kQ2K> : Blocks<256, 16, 0, true, 0, false> {};
+template <> struct Spec<kQ3K> : Blocks<256, 16, 0, false, 4, true> {};
 static_assert(Spec<kQ4>::kBytes == 384 && Spec<kQ8>::kBytes == 576 && Spec<kQ8M>::kBytes == 640 &&
               Spec<kQ4G16>::kBytes == 256 && Spec<kQ8G16>::kBytes == 320);
 static_assert(Spec<kQ4K>::kBytes == 2432 && Spec<kQ6K>::kBytes == 3392 && Spec<kQ5>::kBytes == 384 &&
-              Spec<kQ5K>::kBytes == 2944);
+              Spec<kQ5K>::kBytes == 2944 && Spec<kQ2K>::kBytes == 2688 && Spec<kQ3K>::kBytes == 2368);
 
 // What the run-time code looks up by format: kByFormat<Entry>[format] = Entry::of<format>().
 template <class Entry, size_t... F>

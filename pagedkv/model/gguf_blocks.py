@@ -55,8 +55,8 @@ _PANEL_FORMATS = {
     GGMLQuantizationType.Q5_0: ("q5", "q8"),
     GGMLQuantizationType.Q5_1: ("q8m",),
     GGMLQuantizationType.Q8_0: ("q8",),
-    GGMLQuantizationType.Q2_K: ("q4g16",),
-    GGMLQuantizationType.Q3_K: ("q8g16",),
+    GGMLQuantizationType.Q2_K: ("q2k", "q4g16"),
+    GGMLQuantizationType.Q3_K: ("q3k", "q8g16"),
     GGMLQuantizationType.Q4_K: ("q4k", "q4"),
     GGMLQuantizationType.Q5_K: ("q5k", "q8m"),
     GGMLQuantizationType.Q6_K: ("q6k", "q8g16"),
@@ -79,6 +79,8 @@ _PANEL_BYTES_PER_WEIGHT = {
     "q6k": 3392 / (16 * 256),
     "q5": 384 / (16 * 32),
     "q5k": 2944 / (16 * 256),
+    "q2k": 2688 / (16 * 256),
+    "q3k": 2368 / (16 * 256),
 }
 
 

@@ -12,7 +12,8 @@ one of these formats (the C++ header has the byte layouts):
   1.25), ``"q4g16"`` (4-bit with a min, G = 16: Q2_K; 1), ``"q8g16"`` (int8, G = 16: Q3_K, Q6_K; 1.25).
 - compact, a GGUF block's codes and two-level scales as the file keeps them (``w = (d sc) q - dmin mn`` or
   ``(d sc) (q - offset)`` per sub-block, multiplied out by the kernel): ``"q4k"`` (Q4_K; 0.59 bytes a weight),
-  ``"q6k"`` (Q6_K; 0.83), ``"q5"`` (Q5_0; 0.75), ``"q5k"`` (Q5_K; 0.72) (:data:`COMPACT`). Only
+  ``"q6k"`` (Q6_K; 0.83), ``"q5"`` (Q5_0; 0.75), ``"q5k"`` (Q5_K; 0.72), ``"q2k"`` (Q2_K; 0.66),
+  ``"q3k"`` (Q3_K; 0.58) (:data:`COMPACT`). Only
   :func:`pagedkv.model.gguf_blocks.pack` packs them.
 
 :func:`pack_fp32` packs an fp32 weight; :func:`pack_codes` and :func:`pack_half` pack codes and half-precision
@@ -34,7 +35,7 @@ from torch import Tensor
 from pagedkv import kernels
 
 PANEL = 16
-COMPACT = {"q4k": 8, "q6k": 9, "q5": 10, "q5k": 11}
+COMPACT = {"q4k": 8, "q6k": 9, "q5": 10, "q5k": 11, "q2k": 12, "q3k": 13}
 FORMATS = {"fp32": 0, "q4": 1, "q8": 2, "q8m": 3, "q4g16": 4, "q8g16": 5, "f16": 6, "bf16": 7} | COMPACT
 
 
