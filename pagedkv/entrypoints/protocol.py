@@ -164,7 +164,7 @@ class _SamplingRequest(BaseModel):
                 return StructuredOutputsParams.from_dict({GUIDED[name]: value}, name)
             return StructuredOutputsParams.from_dict(value, name)
         except ValueError as exc:
-            raise APIError(400, str(exc), param=name) from exc
+            raise APIError(400, spec_message(name, str(exc)), param=name) from exc
 
     @property
     def include_usage(self) -> bool:
@@ -308,6 +308,14 @@ def sampling_params(kwargs: dict[str, Any], renames: dict[str, str] | None = Non
         raise value_error(exc, renames) from exc
 
 
+def spec_message(field: str, message: str) -> str:
+    """A structured-output error says which kind of spec failed (``structured_outputs.regex ...``); when the
+    request gave it under another name (``guided_regex``, ``response_format``, ``tools``), it names that too."""
+    if field != "structured_outputs" and message.startswith("structured_outputs"):
+        return f"{field}: {message}"
+    return message
+
+
 def value_error(exc: ValueError, renames: dict[str, str] | None = None, prompt_param: str = "prompt") -> APIError:
     """Turn a SamplingParams / engine ValueError into a 400 that names the request field at fault.
 
@@ -315,8 +323,12 @@ def value_error(exc: ValueError, renames: dict[str, str] | None = None, prompt_p
     ``max_completion_tokens``), and the engine's "prompt" is the chat endpoint's ``messages``.
     """
     param = getattr(exc, "param", None)
+    message = str(exc)
     if param == "prompt":
         param = prompt_param
     elif param is not None:
-        param = (renames or {}).get(param, param)
-    return APIError(400, str(exc), param=param)
+        renamed = (renames or {}).get(param, param)
+        if param == "structured_outputs":
+            message = spec_message(renamed, message)
+        param = renamed
+    return APIError(400, message, param=param)
