@@ -65,7 +65,8 @@ class GrammarPool:
                     "for a compile thread; retry later"
                 )
             if not done:  # running: it gets the whole limit from its start
-                left = started[0] + self.timeout_s - time.monotonic()
+                began = started[0] if started else time.monotonic()  # running, but its first line not yet run
+                left = began + self.timeout_s - time.monotonic()
                 done, _ = await asyncio.wait({waited}, timeout=max(left, 0.0))
             if not done:
                 raise InvalidParameter(
