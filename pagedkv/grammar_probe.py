@@ -65,7 +65,10 @@ def _reason(error: str) -> str:
             "or optional properties, or split the structure"
         )
     if "Too many items" in line:
-        return f"it is too ambiguous or recursive for the grammar engine ({line}): a rule with no base case?"
+        return (
+            f"it is too ambiguous, repetitive or recursive for the grammar engine ({line}): use smaller "
+            "repetition counts, and give each recursive rule a base case"
+        )
     if "lexer" in line or "too many expressions" in line or "fuel" in line:
         return f"its tokens are too complex for the grammar engine ({line}): use smaller repetition counts"
     return line
