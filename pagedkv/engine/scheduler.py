@@ -6,9 +6,8 @@ gets as many as the step's token budget allows. Running requests go first, and d
 any request decodes, prompts share a smaller budget (``max_prefill_tokens_with_decodes``), so a long prompt
 is cut into short chunks over several steps and no stream waits long for its next token.
 
-Seats are shared between requests, not samples: waiting requests are admitted the one holding the fewest
-seats first, and a request's n samples hold at most ``max_seqs_per_group`` seats while a request holding
-fewer waits -- seats past that share are preempted for it.
+Seats are shared between requests, not samples, and a step's prompt budget shrinks while requests decode:
+that policy is ``admission.FairShare``'s (issue 25 rows 5 and 6); the scheduler applies it.
 
 When the pool runs out of blocks, the most recently admitted running request is preempted: its blocks are
 freed and it goes back to the front of the waiting queue. Its full blocks keep their prefix-cache keys, so
@@ -28,6 +27,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from pagedkv.engine import speculative
+from pagedkv.engine.admission import SCORED_ROW_COST, FairShare, chunk_within, prefill_cost  # noqa: F401 - re-exported
 from pagedkv.engine.request import CoreOutput, PromptLogprob, Request
 from pagedkv.kv.hashing import BlockKey
 from pagedkv.kv.manager import KVCacheManager, PrefixHit
@@ -56,23 +56,6 @@ class ScheduledRequest:
         return end == request.num_tokens and request.params.max_tokens != 0
 
 
-# A prompt row scored for prompt_logprobs costs this many plain rows of a step's prefill budget: its
-# logits over the whole vocabulary, their log-softmax, rank and top-k come on top of the layers (default
-# model, 8 requests decoding: a chunk of 32 scored rows 99 ms, plain 60 ms; of 64, 151 ms and 95 ms).
-SCORED_ROW_COST = 2
-
-
-def _prefill_cost(request: Request, num_new: int) -> int:
-    """What a prefill chunk of ``num_new`` tokens takes from the step's prefill budget."""
-    return num_new * SCORED_ROW_COST if request.scores_prompt else num_new
-
-
-def _chunk_within(request: Request, budget: int) -> int:
-    """The most prompt tokens of ``request`` whose cost fits in ``budget`` (at least one of a budget > 0, so
-    a request scoring its prompt progresses under any ``max_num_batched_tokens``)."""
-    return max(budget // SCORED_ROW_COST, min(budget, 1)) if request.scores_prompt else budget
-
-
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]  # in scheduling order, which is also the order of the step's rows
@@ -96,8 +79,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
-        self.max_seqs_per_group = max_seqs_per_group  # seats one request's n samples hold while others wait
-        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
+        self.fair = FairShare(max_num_seqs, max_num_batched_tokens, max_seqs_per_group, max_prefill_tokens_with_decodes)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
@@ -114,6 +96,11 @@ class Scheduler:
             0,
         )
 
+    @property
+    def max_seqs_per_group(self) -> int:
+        """Seats one request's n samples hold while others wait."""
+        return self.fair.max_seqs_per_group
+
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -121,7 +108,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self._reclaim_seats()
         budget = self.max_num_batched_tokens
-        prefill_budget = self._prefill_budget()
+        prefill_budget = self.fair.prefill_budget(self.running)
         scheduled: list[ScheduledRequest] = []
         preempted = 0
         i = 0
@@ -130,7 +117,7 @@ class Scheduler:
             request = self.running[i]
             num_new = request.num_tokens - request.num_computed_tokens
             if num_new > 1:  # a prefill chunk
-                num_new = min(num_new, budget, _chunk_within(request, prefill_budget))
+                num_new = min(num_new, budget, chunk_within(request, prefill_budget))
                 if num_new == 0:  # this step's prefill budget is spent: its prompt goes on next step
                     i += 1
                     continue
@@ -147,51 +134,18 @@ class Scheduler:
                 scheduled.append(ScheduledRequest(request, num_new, drafts))
                 budget -= num_new + len(drafts)
                 if num_new > 1:
-                    prefill_budget -= _prefill_cost(request, num_new)
+                    prefill_budget -= prefill_cost(request, num_new)
                 i += 1
         if not preempted:
             self._admit_waiting(min(budget, prefill_budget), scheduled)
         return SchedulerOutput(scheduled)
 
-    def _prefill_budget(self) -> int:
-        """Prompt tokens this step may compute (scored rows weigh more, see ``SCORED_ROW_COST``).
-
-        Decode-first, as vLLM's chunked prefill: the decoding requests' rows are set aside, and while any
-        request decodes, prompts get at most ``max_prefill_tokens_with_decodes``, since every stream waits for
-        the whole step. The default model, 8 requests decoding, CPU time of a step on one thread: decodes
-        alone 31 ms; with a chunk of 64 prompt tokens 0.20 s, 128: 0.39 s, 256: 0.79 s (~3 ms a token from 64
-        up, so small chunks cost a long prompt no throughput), and a chunk's attention adds ~30 % per 1,000
-        tokens of context before it (128 tokens: 0.39 s at the start of a prompt, 0.55 s at 1,400). The
-        default, 64, keeps a step within ~0.5 s on one core up to ~4k tokens of context (on 2 busy cores,
-        wall time: 256: 0.4 s, 2,040: 3-15 s). With nothing decoding, prompts take the whole budget.
-        """
-        decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
-        if not decoding:
-            return self.max_num_batched_tokens
-        return max(0, min(self.max_prefill_tokens_with_decodes, self.max_num_batched_tokens - decoding))
-
     def _reclaim_seats(self) -> None:
-        """Preempt the newest samples of requests holding more than ``max_seqs_per_group`` seats, as many as
-        the requests waiting below their share need and the free seats do not cover.
-
-        A request alone may use every seat (n=128 on an idle engine runs 64 at a time), but a later request
-        must not wait for those to finish: with max_tokens in the thousands that was minutes without a token
-        (issue 25 row 5). The preempted samples keep their tokens and recompute later (bitwise the same).
-        """
-        cap = self.max_seqs_per_group
-        seats = Counter(r.group_id for r in self.running)
-        waiting = Counter(r.group_id for r in self.waiting)
-        wanted = sum(min(n, cap - seats[g]) for g, n in waiting.items() if seats[g] < cap)
-        shortfall = wanted - (self.max_num_seqs - len(self.running))
-        while shortfall > 0 and seats:
-            group, held = seats.most_common(1)[0]
-            if held <= cap:
-                return
-            victim = next(r for r in reversed(self.running) if r.group_id == group)
+        """Preempt the samples past their request's share of seats that requests waiting below theirs need
+        (``FairShare.seats_to_reclaim``)."""
+        for victim in self.fair.seats_to_reclaim(self.running, self.waiting):
             self.running.remove(victim)
             self._preempt(victim, "seat share")
-            seats[group] -= 1
-            shortfall -= 1
 
     def _allocate(self, request: Request, num_tokens: int, prefix: PrefixHit | None = None) -> bool:
         """Blocks for ``num_tokens``; the KV manager first caches the blocks full of computed tokens."""
@@ -256,7 +210,7 @@ class Scheduler:
         while turns and budget > 0 and len(self.running) < self.max_num_seqs:
             _, order, group = heapq.heappop(turns)
             queue = queues[group]
-            if seats[group] >= self.max_seqs_per_group and self._below_share(held_back - {group}, seats):
+            if seats[group] >= self.max_seqs_per_group and self.fair.below_share(held_back - {group}, seats):
                 continue  # its share is taken while a request below its own waits: its samples stay queued
             request = queue.popleft()
             if queue:
@@ -276,7 +230,7 @@ class Scheduler:
             # Scoring the prompt needs every position's logits: its prefill starts at 0 over the cached
             # blocks (their K/V is read, not written again), as much work as a cold run and never more.
             start = 0 if request.scores_prompt else hit.num_tokens
-            num_new = min(request.num_tokens - start, _chunk_within(request, budget))
+            num_new = min(request.num_tokens - start, chunk_within(request, budget))
             if num_new == 0 or not self._allocate(request, max(hit.num_tokens, start + num_new), prefix=hit):
                 break
             if request.num_cached_tokens is None:
@@ -286,16 +240,12 @@ class Scheduler:
             request.num_computed_tokens = start
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new))
-            budget -= _prefill_cost(request, num_new)
+            budget -= prefill_cost(request, num_new)
             seats[group] += 1
             admitted.add(request.request_id)
             in_flight.update(request.block_keys[first_new_block : request.num_prompt_tokens // self.kv.block_size])
         if admitted:
             self.waiting = deque(r for r in self.waiting if r.request_id not in admitted)
-
-    def _below_share(self, groups: set[str], seats: Counter) -> bool:
-        """Whether any of ``groups`` holds fewer than ``max_seqs_per_group`` seats."""
-        return any(seats[group] < self.max_seqs_per_group for group in groups)
 
     def _in_flight_keys(self) -> set[BlockKey]:
         """Keys of prompt blocks that running requests have yet to compute."""
