@@ -13,7 +13,7 @@ steps or prefix-cache hits). A decode is a request with one new token, nothing m
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
@@ -48,6 +48,22 @@ class GatherMetadata(AttentionMetadata):
     # earlier context), else a [query_len, seq_len] bool mask in which new token j (position context + j)
     # sees keys [0, context + j]
     context_masks: list[Tensor | None]
+    # window -> per request (keys skipped at the start of its context, mask over the rest): made by window_views
+    _window_views: dict[int, list[tuple[int, Tensor | None]]] = field(default_factory=dict)
+
+    def window_views(self, window: int) -> list[tuple[int, Tensor | None]]:
+        """Per request, what a sliding-window layer of ``window`` attends to: the number of context keys no query
+        of this step can see (they are skipped), and the mask over the remaining keys (None: each query sees all
+        of them, or plain causal for a chunk that starts at position 0). Made once a step per window size."""
+        views = self._window_views.get(window)
+        if views is None:
+            views = self._window_views[window] = [
+                _window_view(q_end - q_start, s, window, causal)
+                for q_start, q_end, s, causal in zip(
+                    self.query_start_list, self.query_start_list[1:], self.seq_lens_list, self.context_masks
+                )
+            ]
+        return views
 
     @classmethod
     def build(
@@ -84,3 +100,17 @@ def _mask(query_len: int, seq_len: int) -> Tensor | None:
     if context == 0 or query_len == 1:
         return None
     return torch.arange(seq_len)[None, :] <= torch.arange(context, seq_len)[:, None]
+
+
+def _window_view(query_len: int, seq_len: int, window: int, causal: Tensor | None) -> tuple[int, Tensor | None]:
+    """New token j (position ``context + j``) sees keys (context + j - window, context + j]; keys before the
+    first query's window are dropped, so the mask covers ``[first, seq_len)``."""
+    context = seq_len - query_len
+    if seq_len <= window:  # every key is within every query's window: the causal view
+        return 0, causal
+    first = max(0, context - window + 1)
+    if query_len == 1:
+        return first, None
+    keys = torch.arange(first, seq_len)[None, :]
+    positions = torch.arange(context, seq_len)[:, None]
+    return first, (keys <= positions) & (keys > positions - window)

@@ -32,11 +32,20 @@ class TorchAttention:
     prefill chunk or one decode at a time measured 1e-6 apart), and may depend on the thread count."""
 
     name = "gather"
+    supports_window = True  # sliding-window layers: each query sees keys (p - window, p]
     # The step's metadata, with the contexts to gather (the same for every layer, so built once a step).
     build_metadata = GatherMetadata.build
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, meta: GatherMetadata, scale: float
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        k_pool: Tensor,
+        v_pool: Tensor,
+        meta: GatherMetadata,
+        scale: float,
+        window: int = 0,
     ) -> Tensor:
         """Attention of the step's queries ``q [T, Hq, D]`` over their requests' contexts; returns ``[T, Hq, D]``.
 
@@ -47,6 +56,10 @@ class TorchAttention:
         per pool copies all those contexts; SDPA then gets 4-D ``[1, H, L, D]`` ``permute`` views of it: with
         3-D inputs it was measured to fall back to a 3-10x slower path, and making the views contiguous first
         was 4x slower. ``enable_gqa`` lets the query heads share KV heads without a copy.
+
+        ``window`` > 0 (a sliding-window layer): a query at position p sees keys (p - window, p] only; SDPA gets
+        just the keys some query of the request can see (at most ``window - 1 + query_len``), so a windowed
+        layer's cost stays bounded however long the context grows.
         """
         ops.write_kv(k_pool, meta.slot_mapping, k)
         ops.write_kv(v_pool, meta.slot_mapping, v)
@@ -55,13 +68,18 @@ class TorchAttention:
         out = q.new_empty(q.shape)
         qsl = meta.query_start_list
         kv_start = 0
+        views = meta.window_views(window) if window else None
         for i, mask in enumerate(meta.context_masks):
             q_start, q_end = qsl[i], qsl[i + 1]
             kv_end = kv_start + meta.seq_lens_list[i]
+            first = kv_start
+            if views is not None:
+                skipped, mask = views[i]
+                first += skipped
             attn = F.scaled_dot_product_attention(
                 q[q_start:q_end].permute(1, 0, 2).unsqueeze(0),
-                k_all[kv_start:kv_end].permute(1, 0, 2).unsqueeze(0),
-                v_all[kv_start:kv_end].permute(1, 0, 2).unsqueeze(0),
+                k_all[first:kv_end].permute(1, 0, 2).unsqueeze(0),
+                v_all[first:kv_end].permute(1, 0, 2).unsqueeze(0),
                 attn_mask=mask,
                 is_causal=mask is None and q_end - q_start > 1,
                 scale=scale,
@@ -76,12 +94,23 @@ class KernelAttention:
     """Every row on the compiled kernel in one call: no K/V copy, batch-invariant (see the module docstring)."""
 
     name = "kernel"
+    supports_window = False  # a model with sliding-window layers attends on the torch backend (LlamaForCausalLM)
     # The step's metadata: the kernel needs only slots, block tables, lengths and row offsets.
     build_metadata = AttentionMetadata.build
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        k_pool: Tensor,
+        v_pool: Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int = 0,
     ) -> Tensor:
         """As :meth:`TorchAttention.forward`; both pools written in one compiled call."""
+        if window:
+            raise ValueError(f"the compiled kernel attends to whole contexts, not a window of {window}: use 'gather'")
         kernels.write_kv(k_pool, v_pool, meta.slot_mapping, k, v)
         return kernels.paged_attention(q, k_pool, v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)

@@ -11,11 +11,13 @@ every Q4_K_M file), with or without biases (Qwen2), with or without Qwen3's q/k 
 kernel and norms, one process. These cost the stack nothing in exactness: it calls the ops the modules call
 (``panel_linear_into`` per part, ``add_`` for a bias, torch's ``rms_norm`` and ``mul`` for the q/k norm).
 What runs the modules is what it cannot call from C++ as they do: torch's GEMM (weights left unpacked),
-torch's attention or norms (the gather backend, ``kernels=False``), tensor parallelism (its collectives).
+torch's attention or norms (the gather backend, ``kernels=False``), tensor parallelism (its collectives), and
+layers of another shape (Gemma 3's four norms, GeLU, sliding windows and second RoPE base).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -25,6 +27,8 @@ from pagedkv import kernels
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.attention.paged import KernelAttention
 from pagedkv.model.panel import FORMATS
+
+logger = logging.getLogger(__name__)
 
 
 class DecoderStack:
@@ -70,6 +74,14 @@ def _same_pools(pools: Sequence[tuple[Tensor, Tensor]], bound: Sequence[tuple[Te
 def stack_for(model: nn.Module) -> DecoderStack | None:
     """A :class:`DecoderStack` for ``model`` if every layer fits the compiled one (see the module docstring)."""
     if model.tp.world_size != 1 or not isinstance(model.attention, KernelAttention):
+        return None
+    spec = model.spec
+    if spec.sandwich_norms or any(spec.layer_windows) or spec.local_rope is not None or spec.activation != "silu":
+        logger.info(
+            "%s layers (four norms, windows, two RoPE bases, GeLU) run as modules: the compiled decoder "
+            "stack computes Llama-shaped layers only",
+            spec.model_type,
+        )
         return None
     if not kernels.portable.available():  # the class's library: the modules' ops load it at their first call
         return None

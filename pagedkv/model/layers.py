@@ -1,4 +1,4 @@
-"""The model's building blocks: a dtype-aware linear layer, RMSNorm and the SwiGLU MLP.
+"""The model's building blocks: a dtype-aware linear layer, RMSNorm and the gated MLP (SwiGLU or GeGLU).
 
 Only linear layers (and the embedding table, which a tied LM head shares) may hold bf16 weights: that is
 where bf16 pays on CPUs with native bf16 GEMMs. Everything between GEMMs -- the residual stream, norms,
@@ -178,26 +178,37 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-class SwiGLU(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one GEMM.
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with gate and up fused into one GEMM; ``act`` is SiLU (SwiGLU: Llama, Qwen)
+    or GeLU with the tanh approximation (GeGLU: Gemma), ``activation`` one of ``spec.ACTIVATIONS``' values.
 
     ``tp``: this rank's shard -- its rows of gate and up (column-parallel) and down_proj row-parallel, made
     whole on every rank by ``tp.row_parallel``.
     """
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype, tp: TensorParallel) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        bias: bool,
+        dtype: torch.dtype,
+        tp: TensorParallel,
+        activation: str = "silu",
+    ) -> None:
         super().__init__()
         self.intermediate = tp.split(intermediate, "MLP width")  # this rank's share
         self.tp = tp
+        self.activation = activation
         self.gate_up_proj = Linear(hidden, 2 * self.intermediate, bias, dtype)
         self.down_proj = Linear(*tp.row_parallel_shape(self.intermediate, hidden), bias, dtype)
         self.compiled = False  # one C++ pass for silu(gate) * up (set by the model with its compiled kernels)
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.compiled and gate_up.dim() == 2 and gate_up.is_contiguous():
+        if self.activation == "silu" and self.compiled and gate_up.dim() == 2 and gate_up.is_contiguous():
             hidden = kernels.silu_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)
-            hidden = F.silu(gate) * up
+            act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
+            hidden = act * up
         return self.tp.row_parallel(self.down_proj, hidden)

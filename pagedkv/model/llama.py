@@ -1,4 +1,8 @@
-"""The Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3), running on the paged KV pool.
+"""The decoder of every supported family (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Gemma 3) on the paged KV pool.
+
+What tells the families apart is data in the model's :class:`ModelSpec` (norm form, activation, embedding
+scale, q/k norms, softmax scale, Gemma's four norms a layer, each layer's attention window and RoPE), so one
+class runs them all.
 
 A forward pass takes one flat engine step -- ``T`` tokens of many requests, decodes and prefill chunks
 mixed -- plus its :class:`AttentionMetadata` (built by the model's attention backend, the object every
@@ -24,13 +28,13 @@ import torch
 from torch import Tensor, nn
 
 from pagedkv import kernels
-from pagedkv.attention.backend import AttentionBackend
+from pagedkv.attention.backend import AttentionBackend, for_model
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.attention.paged import TorchAttention
 from pagedkv.model import gguf_blocks, gguf_weights, panel
 from pagedkv.model.decoder_stack import DecoderStack, stack_for
 from pagedkv.model.gguf_file import GGUFTensor
-from pagedkv.model.layers import WEIGHT_FORMATS, Linear, LMHead, RMSNorm, SwiGLU, empty_parameter
+from pagedkv.model.layers import WEIGHT_FORMATS, GatedMLP, Linear, LMHead, RMSNorm, empty_parameter
 from pagedkv.model.rope import RotaryEmbedding, apply_rope
 from pagedkv.model.spec import ModelSpec
 from pagedkv.model.weight_names import weight_targets
@@ -40,12 +44,18 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, attention: AttentionBackend, tp: TensorParallel) -> None:
+    """q/k/v in one GEMM, optional per-head q/k norms, RoPE, then paged attention over the layer's window
+    (``window`` 0: the whole context; else a query at position p sees keys (p - window, p])."""
+
+    def __init__(
+        self, spec: ModelSpec, dtype: torch.dtype, attention: AttentionBackend, tp: TensorParallel, window: int = 0
+    ) -> None:
         super().__init__()
         self.num_heads = tp.split(spec.num_heads, "query heads")
         self.num_kv_heads = tp.split(spec.num_kv_heads, "KV heads")
         self.head_dim = spec.head_dim
-        self.scale = spec.head_dim**-0.5
+        self.scale = spec.softmax_scale
+        self.window = window
         self.attention = attention
         self.eps = spec.rms_norm_eps
         self.tp = tp
@@ -69,24 +79,42 @@ class LlamaAttention(nn.Module):
             qk = nn.functional.rms_norm(qk, (self.head_dim,), eps=self.eps) * self.qk_norm_weight
         qk = kernels.rope_(qk, cos, sin) if self.compiled and qk.stride(-1) == 1 else apply_rope(qk, cos, sin)
         out = self.attention.forward(
-            qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, split:], *kv_cache, meta, self.scale
+            qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, split:], *kv_cache, meta, self.scale, self.window
         )
         return self.tp.row_parallel(self.o_proj, out.view(tokens, -1))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, attention: AttentionBackend, tp: TensorParallel) -> None:
+    """Pre-norm attention and MLP, each added to the residual stream. With ``spec.sandwich_norms`` (Gemma) the
+    names mean what HF's Gemma layers mean: ``post_attention_layernorm`` normalises the attention output before
+    the add, ``pre_feedforward_layernorm`` the MLP's input and ``post_feedforward_layernorm`` its output; without
+    them ``post_attention_layernorm`` is the MLP's input norm, as in HF's Llama. ``rope``: which of the model's
+    RoPE tables the layer rotates with (0: the full-attention layers', 1: the windowed layers' own)."""
+
+    def __init__(
+        self, spec: ModelSpec, index: int, dtype: torch.dtype, attention: AttentionBackend, tp: TensorParallel
+    ) -> None:
         super().__init__()
+        self.rope = int(spec.layer_rope(index) is not spec.rope)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = LlamaAttention(spec, dtype, attention, tp)
+        self.self_attn = LlamaAttention(spec, dtype, attention, tp, spec.window(index))
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = SwiGLU(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, dtype, tp)
+        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, dtype, tp, spec.activation)
+        self.sandwich = spec.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(
         self, h: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, kv_cache: tuple[Tensor, Tensor]
     ) -> Tensor:
         attended = self.self_attn(self.input_layernorm(h), cos, sin, meta, kv_cache)
-        h += self.mlp(self.post_attention_layernorm(attended, residual=h))  # h += attended, then the norm
+        if not self.sandwich:
+            h += self.mlp(self.post_attention_layernorm(attended, residual=h))  # h += attended, then the norm
+            return h
+        # h += post_attention_norm(attended), then the MLP's input norm of the sum
+        mlp_in = self.pre_feedforward_layernorm(self.post_attention_layernorm(attended), residual=h)
+        h += self.post_feedforward_layernorm(self.mlp(mlp_in))
         return h
 
 
@@ -106,17 +134,19 @@ class LlamaForCausalLM(nn.Module):
         self.spec = spec = ModelSpec.from_hf_config(hf_config)
         self.tp = tp
         weight_dtype = WEIGHT_FORMATS[weight_format]
-        self.attention = attention or TorchAttention()
+        self.attention = for_model(attention or TorchAttention(), spec.model_type, any(spec.layer_windows))
         self.vocab_rows = tp.vocab_rows(spec.vocab_size)  # this rank's slice of the vocabulary
         self.embed_tokens = empty_parameter(self.vocab_rows, spec.hidden_size, dtype=weight_dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(spec, weight_dtype, self.attention, tp) for _ in range(spec.num_layers)
+            LlamaDecoderLayer(spec, i, weight_dtype, self.attention, tp) for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = LMHead(spec.hidden_size, self.vocab_rows, False, weight_dtype)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens
-        self.rotary = RotaryEmbedding(spec.head_dim, spec.max_positions, spec.rope)
+        # one RoPE table per distinct base: the full-attention layers', then the windowed layers' (Gemma 3)
+        ropes = [spec.rope] + ([spec.local_rope] if spec.local_rope is not None else [])
+        self.rotary = nn.ModuleList(RotaryEmbedding(spec.head_dim, spec.max_positions, rope) for rope in ropes)
         self.embed_source: GGUFTensor | None = None  # an untied embedding read from a GGUF file in place
         # all layers in one compiled call where they fit it (model/decoder_stack.py); False runs the modules
         self.fused_layers = True
@@ -134,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
         self._stack = None  # the layers may fit the compiled stack now
         formats: Counter[str] = Counter()
         for module in (root or self).modules():
-            if isinstance(module, (RMSNorm, SwiGLU, LlamaAttention)):
+            if isinstance(module, (RMSNorm, GatedMLP, LlamaAttention)):
                 module.compiled = True
             if not isinstance(module, Linear):
                 continue
@@ -191,14 +221,16 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != self.spec.num_layers:
             raise ValueError(f"need one (k_pool, v_pool) per layer: {self.spec.num_layers}, got {len(kv_caches)}")
         h = self._embed(input_ids)
-        cos, sin = self.rotary.tables(positions)
+        if self.spec.embed_scale != 1.0:
+            h.mul_(self.spec.embed_scale)  # an fp32 scalar, as HF multiplies (Gemma: sqrt(hidden))
+        tables = [rotary.tables(positions) for rotary in self.rotary]
         if self._stack is None:
             self._stack = stack_for(self) or False
         if self._stack and self.fused_layers:
-            h = self._stack(h, cos, sin, meta, kv_caches)
+            h = self._stack(h, *tables[0], meta, kv_caches)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                h = layer(h, cos, sin, meta, kv_cache)
+                h = layer(h, *tables[layer.rope], meta, kv_cache)
         return self.norm(h[rows])
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

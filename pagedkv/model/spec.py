@@ -1,8 +1,15 @@
-"""ModelSpec: the handful of numbers and switches that tell the Llama family's members apart.
+"""ModelSpec: the numbers and switches that tell the supported decoder families apart, as data.
 
 Llama, SmolLM2 and Mistral share one decoder; Qwen2 adds biases to the q/k/v projections, Qwen3 adds a
-per-head RMSNorm on q and k before RoPE. Reading them from the HF config in one place keeps the model code
-free of ``getattr`` chains and makes unsupported configs fail early with a clear message.
+per-head RMSNorm on q and k before RoPE. Gemma 3 differs in more places, each one a field here rather than a
+class of its own: norms scale by ``1 + w`` (``norm_offset``), the gated MLP uses GeLU-tanh (``activation``),
+embeddings are multiplied by ``sqrt(hidden)`` (``embed_scale``), q/k norms, the softmax scale comes from
+``query_pre_attn_scalar`` (``attn_scale``), attention and MLP outputs are normalised too (four norms a layer,
+``sandwich_norms``), and its layers alternate windowed and full attention (``layer_windows``) with a RoPE
+base of their own for the windowed ones (``local_rope``).
+
+Everything is read here, from the HF config, in one place: the model code has no ``getattr`` chains, and a
+config that asks for maths pagedkv does not do fails at once, with the field's name in the message.
 """
 
 from __future__ import annotations
@@ -12,7 +19,16 @@ from typing import Any
 
 from pagedkv.model.rope import rope_parameters
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+# the config's activation name -> the gated MLP's activation (``GatedMLP``): silu (SwiGLU) or GeLU-tanh (GeGLU)
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# fields that change the maths when set, which no supported family uses: refused by name, never ignored
+_UNSUPPORTED_WHEN_SET = ("attn_logit_softcapping", "final_logit_softcapping")
+
+
+class UnsupportedModelError(ValueError):
+    """A model configuration asks for something pagedkv does not compute; the message names the field."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -32,27 +48,49 @@ class ModelSpec:
     mlp_bias: bool
     qk_norm: bool
     max_positions: int  # size of the RoPE table: the model's max_position_embeddings
-    max_model_len: int  # longest context computed exactly (a sliding window, if any, caps it)
-    rope: dict[str, Any]
+    max_model_len: int  # longest context computed exactly (a context-wide window, if any, caps it)
+    rope: dict[str, Any]  # RoPE of the full-attention layers (every layer's, without local_rope)
+    activation: str = "silu"  # the gated MLP's activation: a value of ACTIVATIONS
+    norm_offset: float = 0.0  # every RMSNorm (q/k norms too) scales by ``norm_offset + w``: 1.0 for Gemma
+    embed_scale: float = 1.0  # token embeddings are multiplied by this: sqrt(hidden) for Gemma
+    attn_scale: float | None = None  # the softmax scale (None: head_dim ** -0.5)
+    sandwich_norms: bool = False  # also a norm on the attention output and one each side of the MLP (Gemma)
+    layer_windows: tuple[int, ...] = ()  # per layer: 0 = full attention, w = keys (p - w, p] only (empty: all 0)
+    local_rope: dict[str, Any] | None = None  # RoPE of the windowed layers, where it differs from ``rope``
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim**-0.5 if self.attn_scale is None else self.attn_scale
+
+    def window(self, layer: int) -> int:
+        """Layer ``layer``'s attention window (0: it attends to the whole context)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    def layer_rope(self, layer: int) -> dict[str, Any]:
+        return self.local_rope if self.local_rope is not None and self.window(layer) else self.rope
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {model_type!r} is not supported: pagedkv runs {SUPPORTED_MODEL_TYPES} models")
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"only SwiGLU MLPs (hidden_act='silu') are supported, the config has {act!r}")
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} is not supported: pagedkv runs {SUPPORTED_MODEL_TYPES} models"
+            )
+        for name in _UNSUPPORTED_WHEN_SET:
+            if getattr(config, name, None) is not None:
+                raise UnsupportedModelError(
+                    f"{name}={getattr(config, name)!r} is not supported: use a model without it"
+                )
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         if num_heads % num_kv_heads:
-            raise ValueError(
+            raise UnsupportedModelError(
                 f"num_attention_heads {num_heads} must be a multiple of num_key_value_heads {num_kv_heads}"
             )
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         attention_bias = bool(getattr(config, "attention_bias", False))
         max_positions = int(config.max_position_embeddings)
-        return cls(
+        common = dict(
             model_type=model_type,
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
@@ -63,21 +101,77 @@ class ModelSpec:
             head_dim=head_dim,
             rms_norm_eps=float(config.rms_norm_eps),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            max_positions=max_positions,
+            activation=_activation(config),
+        )
+        if model_type == "gemma3_text":
+            return cls(**common, **_gemma3_fields(config, attention_bias, max_positions))
+        return cls(
+            **common,
             qkv_bias=attention_bias or model_type == "qwen2",
             o_bias=attention_bias and model_type != "qwen2",
-            mlp_bias=bool(getattr(config, "mlp_bias", False)),
             qk_norm=model_type == "qwen3",
-            max_positions=max_positions,
-            max_model_len=min(max_positions, _sliding_window(config) or max_positions),
+            max_model_len=min(max_positions, _context_window(config) or max_positions),
             rope=rope_parameters(config),
         )
 
 
-def _sliding_window(config: Any) -> int | None:
-    """The attention window, if the config turns one on (Mistral v0.1; Qwen with use_sliding_window).
+def _activation(config: Any) -> str:
+    field = "hidden_activation" if getattr(config, "hidden_activation", None) else "hidden_act"
+    name = getattr(config, field, None) or "silu"
+    if name not in ACTIVATIONS:
+        raise UnsupportedModelError(f"{field}={name!r} is not supported: the gated MLP computes {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
 
-    Within the window, windowed and full attention agree, so the engine stays exact by capping the
-    context length at the window instead of implementing windowed attention.
+
+def _gemma3_fields(config: Any, attention_bias: bool, max_positions: int) -> dict[str, Any]:
+    """Gemma 3 (text): every difference from the Llama decoder, read and checked field by field."""
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UnsupportedModelError("use_bidirectional_attention=True is not supported: pagedkv decodes causally")
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    if len(layer_types) != config.num_hidden_layers or not set(layer_types) <= set(LAYER_TYPES):
+        raise UnsupportedModelError(
+            f"layer_types={layer_types!r} is not supported: one of {LAYER_TYPES} per layer "
+            f"({config.num_hidden_layers} layers)"
+        )
+    window = getattr(config, "sliding_window", None)
+    if "sliding_attention" in layer_types and (not isinstance(window, int) or window < 1):
+        raise UnsupportedModelError(f"sliding_window={window!r}: windowed layers need a window of >= 1 token")
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if set(params) != {"full_attention", "sliding_attention"}:
+        raise UnsupportedModelError(
+            f"rope_parameters={params!r} is not supported: Gemma 3 needs one entry per layer type {LAYER_TYPES}"
+        )
+    return dict(
+        qkv_bias=attention_bias,
+        o_bias=attention_bias,
+        qk_norm=True,
+        max_model_len=max_positions,  # windowed layers attend through their window: nothing caps the context
+        rope=_rope_entry(params["full_attention"]),
+        local_rope=_rope_entry(params["sliding_attention"]),
+        norm_offset=1.0,
+        embed_scale=float(config.hidden_size) ** 0.5,
+        attn_scale=float(config.query_pre_attn_scalar) ** -0.5,
+        sandwich_norms=True,
+        layer_windows=tuple(window if kind == "sliding_attention" else 0 for kind in layer_types),
+    )
+
+
+def _rope_entry(params: dict[str, Any]) -> dict[str, Any]:
+    """One layer type's RoPE parameters in the form ``rope.inverse_frequencies`` reads."""
+    entry = dict(params)
+    entry["rope_type"] = entry.get("rope_type", entry.get("type")) or "default"
+    entry.setdefault("rope_theta", 10000.0)
+    return entry
+
+
+def _context_window(config: Any) -> int | None:
+    """The attention window of every layer, if the config turns one on (Mistral v0.1; Qwen with
+    use_sliding_window).
+
+    Within the window, windowed and full attention agree, so these families stay exact by capping the
+    context length at the window; Gemma 3's per-layer windows are computed for real (``layer_windows``).
     """
     window = getattr(config, "sliding_window", None)
     if window is None or not getattr(config, "use_sliding_window", True):

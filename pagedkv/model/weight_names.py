@@ -29,7 +29,7 @@ def weight_targets(model: LlamaForCausalLM) -> dict[str, WeightLoader]:
     vocab = _sharded(lambda t: _vocab_shard(tp, t, spec.vocab_size))
     targets: dict[str, WeightLoader] = {
         "model.embed_tokens.weight": vocab(partial(_load_embedding, model)),
-        "model.norm.weight": _copier(model.norm.weight),
+        "model.norm.weight": _copier(model.norm.weight, offset=spec.norm_offset),
     }
     if not spec.tie_word_embeddings:
         targets["lm_head.weight"] = vocab(partial(model.lm_head.load_part, "weight", 0))
@@ -55,12 +55,14 @@ def weight_targets(model: LlamaForCausalLM) -> dict[str, WeightLoader]:
             targets[f"{prefix}{name}.weight"] = weight_shard(partial(linear.load_part, "weight", offset))
             if has_bias:
                 targets[f"{prefix}{name}.bias"] = bias_shard(partial(linear.load_part, "bias", offset))
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            targets[f"{prefix}{norm}.weight"] = _copier(getattr(layer, norm).weight)
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if spec.sandwich_norms else []
+        for norm in norms:
+            targets[f"{prefix}{norm}.weight"] = _copier(getattr(layer, norm).weight, offset=spec.norm_offset)
         if attn.qk_norm_weight is not None:  # each head's row gets the same per-channel weight
             q_rows, k_rows = attn.qk_norm_weight.split([attn.num_heads, attn.num_kv_heads])
-            targets[prefix + "self_attn.q_norm.weight"] = _copier(q_rows, broadcast=True)
-            targets[prefix + "self_attn.k_norm.weight"] = _copier(k_rows, broadcast=True)
+            targets[prefix + "self_attn.q_norm.weight"] = _copier(q_rows, broadcast=True, offset=spec.norm_offset)
+            targets[prefix + "self_attn.k_norm.weight"] = _copier(k_rows, broadcast=True, offset=spec.norm_offset)
     return targets
 
 
@@ -81,7 +83,10 @@ def _vocab_shard(tp: TensorParallel, tensor: Tensor | GGUFTensor, vocab_size: in
     return part if part.shape[0] == rows else part.pad_rows(rows)
 
 
-def _copier(param: Tensor, broadcast: bool = False) -> WeightLoader:
+def _copier(param: Tensor, broadcast: bool = False, offset: float = 0.0) -> WeightLoader:
+    """Copies a checkpoint tensor into ``param``; ``offset`` is added on the way (a Gemma norm's ``1 + w``, held
+    as the weight the norm kernels multiply by: the same fp32 sum HF computes at every call)."""
+
     def copy(tensor: Tensor) -> None:
         shape_ok = tensor.shape == param.shape[-tensor.dim() :] if broadcast else tensor.shape == param.shape
         if not shape_ok:
@@ -90,6 +95,8 @@ def _copier(param: Tensor, broadcast: bool = False) -> WeightLoader:
                 f"{tuple(param.shape)}: the config does not match the weights"
             )
         param.data.copy_(tensor)
+        if offset:
+            param.data.add_(offset)
 
     return copy
 
