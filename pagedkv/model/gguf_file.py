@@ -98,10 +98,11 @@ class GGUFFile:
         self.metadata: dict[str, Any] = {}
         self.tensors: dict[str, GGUFTensor] = {}
         self._maps: list[mmap.mmap] = []
+        self._spans: dict[str, tuple[int, int]] = {}  # the first file's bytes of each metadata record
         for index, file in enumerate(split_files(self.path)):
-            metadata = self._read(file)
+            metadata, spans = self._read(file)
             if index == 0:
-                self.metadata = metadata
+                self.metadata, self._spans = metadata, spans
 
     @property
     def architecture(self) -> str:
@@ -111,13 +112,19 @@ class GGUFFile:
     def files(self) -> list[Path]:
         return split_files(self.path)
 
+    def metadata_record(self, key: str) -> bytes:
+        """The bytes of metadata entry ``key`` as the file holds them (key, type, value): for writing a copy of
+        some of the metadata (:mod:`pagedkv.model.gguf_convert`) without knowing each value's type."""
+        start, end = self._spans[key]
+        return self._maps[0][start:end]
+
     def release_pages(self) -> None:
         """Drop the mapped pages from this process's resident set (they stay in the page cache): called once the
         weights are packed, so a load does not leave the file counted in RSS next to the packed copy."""
         for mapped in self._maps:
             mapped.madvise(mmap.MADV_DONTNEED)
 
-    def _read(self, file: Path) -> dict[str, Any]:
+    def _read(self, file: Path) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
         size = file.stat().st_size
         with open(file, "rb") as f:
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
@@ -131,10 +138,12 @@ class GGUFFile:
         n_tensors, n_metadata = cursor.scalar("Q"), cursor.scalar("Q")
         if n_tensors > _MAX_COUNT or n_metadata > _MAX_COUNT:
             raise GGUFError(f"{file}: header claims {n_tensors} tensors and {n_metadata} metadata entries")
-        metadata = {}
+        metadata, spans = {}, {}
         for _ in range(n_metadata):
+            start = cursor.offset
             key = cursor.string()
             metadata[key] = cursor.value(cursor.scalar("I"), key)
+            spans[key] = (start, cursor.offset)
         records = [self._tensor_record(cursor, file) for _ in range(n_tensors)]
         alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
         start = -(-cursor.offset // alignment) * alignment
@@ -150,7 +159,7 @@ class GGUFFile:
             rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
             data = everything[first : first + nbytes].view(rows, nbytes // rows)
             self.tensors[name] = GGUFTensor(name, ggml_type, shape, data, file)
-        return metadata
+        return metadata, spans
 
     @staticmethod
     def _tensor_record(cursor: _Cursor, file: Path) -> tuple[str, int, tuple[int, ...], int, int]:
