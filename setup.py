@@ -1,0 +1,150 @@
+"""The wheel's compiled kernels: the C++ libraries of :mod:`pagedkv.kernels`, built once at wheel-build time.
+
+pyproject.toml holds the package's metadata; this file only adds the build of the kernels into
+``pagedkv/_lib/`` (plain shared libraries that register ``torch.ops.pagedkv`` ops, loaded with
+``torch.ops.load_library``, not Python modules):
+
+- ``pagedkv_ops_v3.so``: the portable ops for x86-64-v3 (AVX2, FMA, F16C, BMI2: Haswell / Zen 1 on);
+- ``pagedkv_ops_v4.so``: the same for x86-64-v4 (AVX-512 F/BW/CD/DQ/VL), where the compiler knows it;
+- ``pagedkv_gemm_v3.so``: the panel GEMM for x86-64-v3, whose AVX-512 register kernels carry their own
+  ``target("avx512f")`` attributes and are picked at run time, so one build serves both.
+
+``manifest.json`` beside them names the torch they were built against: the loader uses them only with that
+torch (the C++ ABI), and otherwise compiles on first use as a development checkout does.
+
+Build with ``make wheel`` (``pip wheel --no-build-isolation --no-deps .``): the libraries link against the
+torch installed in this environment, so the build must see it; an isolated build would download another
+torch (a CUDA one, several GB, on Linux) and fails here instead, saying so. An editable install
+(``pip install -e .``, ``make setup``) builds nothing: the development path compiles on first use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext as setuptools_build_ext
+
+CSRC = "pagedkv/csrc"
+PORTABLE = [f"{CSRC}/{name}" for name in ("paged_attention.cpp", "rms_norm.cpp", "pointwise.cpp",
+                                          "decoder_stack.cpp", "gguf_blocks.cpp")]
+GEMM = [f"{CSRC}/panel_linear.cpp"]
+HEADERS = [f"{CSRC}/simd.h"]
+# The JIT build's flags (pagedkv/kernels.py) with -march fixed per variant; -g0 against the build
+# environment's -g (debug info would make the libraries several times larger).
+CFLAGS = ["-O3", "-fopenmp", "-g0"]
+LDFLAGS = ["-fopenmp"]
+# (library, variant, -march, sources)
+LIBRARIES = [
+    ("pagedkv_ops", "v3", "x86-64-v3", PORTABLE),
+    ("pagedkv_ops", "v4", "x86-64-v4", PORTABLE),
+    ("pagedkv_gemm", "v3", "x86-64-v3", GEMM),
+]
+NEEDS_TORCH = (
+    "pagedkv's wheel links its C++ kernels against the torch installed where it is built, so build it there: "
+    "`make wheel`, or `pip wheel --no-build-isolation --no-deps .` in an environment with torch (pinned, e.g. "
+    "`pip install torch==2.13.0`) and setuptools. An isolated build (plain `pip wheel .`) has no torch."
+)
+
+
+def compiler() -> str:
+    return os.environ.get("CXX", "c++")
+
+
+def compiler_knows(march: str) -> bool:
+    """Whether the C++ compiler accepts ``-march=<march>`` (x86-64-v4 needs GCC 11 / clang 12)."""
+    try:
+        result = subprocess.run([compiler(), f"-march={march}", "-x", "c++", "-E", "-o", os.devnull, os.devnull],
+                                capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return result.returncode == 0
+
+
+def torch_build_ext() -> type:
+    """torch's BuildExtension (ninja, torch's include paths and ABI flags) when torch is importable, else
+    setuptools' own (only an editable install, which builds nothing, gets that far)."""
+    try:
+        from torch.utils.cpp_extension import BuildExtension
+    except ImportError:
+        return setuptools_build_ext
+    return BuildExtension.with_options(no_python_abi_suffix=True)
+
+
+class build_ext(torch_build_ext()):  # noqa: N801 (setuptools' command name)
+    """Builds :data:`LIBRARIES` into ``pagedkv/_lib``; nothing for an editable install."""
+
+    def run(self) -> None:
+        if getattr(self, "editable_mode", False):
+            print("pagedkv: editable install, no kernels built: they are compiled on first use", file=sys.stderr)
+            return
+        try:
+            import torch
+            from torch.utils import cpp_extension
+        except ImportError:
+            raise SystemExit(NEEDS_TORCH) from None
+        if platform.machine() not in ("x86_64", "AMD64"):
+            raise SystemExit(f"pagedkv's prebuilt kernels are for x86-64, not {platform.machine()}: "
+                             "install from source (`pip install -e .`), which compiles them on first use")
+        if shutil.which(compiler()) is None:
+            raise SystemExit(f"no C++ compiler ({compiler()!r}) to build pagedkv's kernels: install g++")
+        skipped = []
+        for ext in list(self.extensions):
+            march = ext.pagedkv_march
+            if not compiler_knows(march):
+                skipped.append(ext.name)
+                self.extensions.remove(ext)
+                continue
+            ext.include_dirs = cpp_extension.include_paths()
+            ext.library_dirs = cpp_extension.library_paths()
+            ext.libraries = ["c10", "torch", "torch_cpu", "torch_python"]
+            ext.language = "c++"
+            ext.extra_compile_args = [*CFLAGS, f"-march={march}"]
+            ext.extra_link_args = list(LDFLAGS)
+        for name in skipped:
+            print(f"pagedkv: {compiler()} does not know {name}'s -march: the wheel goes without it", file=sys.stderr)
+        super().run()
+        self.write_manifest(torch.__version__)
+
+    def build_extension(self, ext: Extension) -> None:
+        """Each library in a build directory of its own: v3 and v4 compile the same sources to different objects."""
+        base = self.build_temp
+        self.build_temp = os.path.join(base, ext.name.rsplit(".", 1)[-1])
+        try:
+            super().build_extension(ext)
+        finally:
+            self.build_temp = base
+
+    def write_manifest(self, torch_version: str) -> None:
+        """``manifest.json``: the torch these libraries were built for and which file is which variant."""
+        if not self.extensions:
+            return
+        directory = Path(self.get_ext_fullpath(self.extensions[0].name)).parent
+        libraries: dict[str, dict[str, str]] = {}
+        for ext in self.extensions:
+            path = Path(self.get_ext_fullpath(ext.name))
+            libraries.setdefault(ext.pagedkv_library, {})[ext.pagedkv_variant] = path.name
+        version = subprocess.run([compiler(), "--version"], capture_output=True, text=True).stdout.splitlines()
+        manifest = {
+            "torch": torch_version,
+            "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+            "compiler": version[0] if version else compiler(),
+            "cflags": CFLAGS,
+            "libraries": libraries,
+        }
+        (directory / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def extension(library: str, variant: str, march: str, sources: list[str]) -> Extension:
+    ext = Extension(f"pagedkv._lib.{library}_{variant}", sources=sources, depends=HEADERS)
+    ext.pagedkv_library, ext.pagedkv_variant, ext.pagedkv_march = library, variant, march
+    return ext
+
+
+setup(ext_modules=[extension(*spec) for spec in LIBRARIES], cmdclass={"build_ext": build_ext})
