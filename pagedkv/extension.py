@@ -1,4 +1,9 @@
-"""Compile-on-first-use C++ libraries (see :mod:`pagedkv.kernels`), cached once per machine.
+"""The C++ libraries of :mod:`pagedkv.kernels`: prebuilt in a wheel, else compiled on first use and cached.
+
+An installed wheel ships them in ``pagedkv/_lib/`` (``setup.py`` builds them: the portable ops for x86-64-v3 and
+x86-64-v4, the GEMM for x86-64-v3), with a ``manifest.json`` naming the torch they were built against;
+:func:`prebuilt_libraries` and :func:`cpu_level` pick the variant for this CPU. A development checkout has no
+``_lib`` and compiles them with ``-march=native`` on first use, as below.
 
 A build lives in ``<cache_root>/torch_extensions/<prefix><hash>``; the hash covers the source, the flags,
 torch, Python and the CPU's instruction set, so a build is reused only where it is valid (``-march=native``
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -55,6 +61,54 @@ def cpu_flags() -> str:
             return next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         return ""
+
+
+V3_FLAGS = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2"})  # x86-64-v3 (also LZCNT, MOVBE: every such CPU)
+V4_FLAGS = frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})  # x86-64-v4 on top of v3
+LEVEL_NAMES = {"v3": "x86-64-v3 (AVX2 + FMA)", "v4": "x86-64-v4 (AVX-512)"}
+MANIFEST = "manifest.json"
+
+
+def cpu_level(flags: str | None = None) -> str | None:
+    """``"v4"``, ``"v3"`` or None: the highest x86-64 level whose prebuilt kernels this CPU runs.
+
+    ``flags`` is /proc/cpuinfo's flags line (read if not given).
+    """
+    have = set((cpu_flags() if flags is None else flags).split())
+    if not have >= V3_FLAGS:
+        return None
+    return "v4" if have >= V4_FLAGS else "v3"
+
+
+def prebuilt_directory() -> Path:
+    """Where a wheel's prebuilt libraries are: ``pagedkv/_lib``, or ``$PAGEDKV_KERNEL_DIR`` (tests)."""
+    override = os.environ.get("PAGEDKV_KERNEL_DIR")
+    return Path(override).expanduser() if override else Path(__file__).parent / "_lib"
+
+
+def prebuilt_libraries(directory: Path) -> dict | None:
+    """The directory's manifest (``{"torch": version, "libraries": {name: {variant: file}}}``), None if none."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        logger.warning("ignoring the prebuilt kernels in %s: unreadable %s (%s)", directory, MANIFEST, exc)
+        return None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("libraries"), dict):
+        logger.warning("ignoring the prebuilt kernels in %s: %s names no libraries", directory, MANIFEST)
+        return None
+    return manifest
+
+
+def load_prebuilt(library: Path) -> None:
+    """Load a wheel's library into ``torch.ops`` (raises OSError / RuntimeError if it does not load).
+
+    Unlike the cache it is not checked for ownership: it sits beside pagedkv's own Python code, as trusted.
+    """
+    if not library.is_file():
+        raise FileNotFoundError(f"{library} is missing (a broken install? reinstall the wheel)")
+    torch.ops.load_library(str(library))
 
 
 def build_directory(source: Path | Sequence[Path], flags: Sequence[str], prefix: str = "") -> Path:

@@ -7,6 +7,11 @@
 - :data:`gemm` (``csrc/panel_linear.cpp``): the panel GEMM, written for AVX2 + FMA. A CPU without them
   loses only this library: the linear layers run on torch's GEMM and everything else stays compiled.
 
+Where they come from (:func:`kernel_choice`): an installed wheel ships them prebuilt (``pagedkv/_lib``, see
+``setup.py``) and the variant for this CPU is loaded, x86-64-v4 (AVX-512) or x86-64-v3 (AVX2 + FMA); a
+development checkout compiles them with ``-march=native`` on first use. ``$PAGEDKV_KERNEL_VARIANT`` forces one
+(``v4``, ``v3``, ``jit`` or ``none``).
+
 Every op registers in one namespace, ``torch.ops.pagedkv``. The Python faces below check what the C++ would
 reject with a vaguer message and skip conversions that would be no-ops (each ``.to()`` costs microseconds,
 and they run a few hundred times a step). Where a library cannot be built, the engine runs torch's ops,
@@ -15,16 +20,28 @@ which the tests hold to the same numbers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from pagedkv.extension import UnsafeCacheDirectory, build_directory, load_or_build, summarize_error
+from pagedkv.extension import (
+    LEVEL_NAMES,
+    UnsafeCacheDirectory,
+    build_directory,
+    cpu_level,
+    load_or_build,
+    load_prebuilt,
+    prebuilt_directory,
+    prebuilt_libraries,
+    summarize_error,
+)
 from pagedkv.kv.ops import KV_DTYPES
 
 logger = logging.getLogger(__name__)
@@ -33,6 +50,100 @@ _CSRC = Path(__file__).parent / "csrc"
 ENV_VAR = "PAGEDKV_KERNELS"
 CFLAGS = ("-O3", "-march=native", "-fopenmp")  # no -ffast-math: the kernels rely on -inf (empty softmax max)
 LDFLAGS = ("-fopenmp",)
+VARIANT_ENV = "PAGEDKV_KERNEL_VARIANT"
+VARIANTS = ("v4", "v3", "jit", "none")  # prebuilt for x86-64-v4 / -v3, compiled here on first use, torch's ops
+# Measured on the default model (SmolLM2-135M Q4_1, 2 cores, 64-token decode): what running torch's ops costs.
+SLOWER = "roughly 3x slower decoding"
+
+
+class KernelsUnavailable(RuntimeError):
+    """No library is to be loaded here (forced off, or the CPU lacks what the prebuilt ones need)."""
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """Where this process's libraries come from: ``variant`` is one of :data:`VARIANTS`."""
+
+    variant: str
+    directory: Path | None = None  # the prebuilt libraries' directory (v3 / v4)
+    files: dict | None = None  # the manifest's {library name: {variant: file name}}
+    reason: str = ""  # why (for "none": why no library loads)
+
+    def library(self, name: str) -> Path:
+        """The prebuilt file of library ``name`` for this variant, or the best lower one the wheel has (the GEMM
+        is built for x86-64-v3 only: its AVX-512 kernels are picked at run time)."""
+        variants = (self.files or {}).get(name, {})
+        for variant in VARIANTS[VARIANTS.index(self.variant):2]:
+            if variant in variants:
+                return self.directory / variants[variant]
+        raise KernelsUnavailable(f"the prebuilt kernels in {self.directory} have no {name} for {self.variant} or below")
+
+
+_choice_lock = threading.Lock()
+_choices: dict[tuple[str, str], KernelChoice] = {}
+
+
+def kernel_choice() -> KernelChoice:
+    """This process's :class:`KernelChoice`, decided (and logged, once) on first use:
+
+    ``$PAGEDKV_KERNEL_VARIANT`` if set; else the wheel's prebuilt libraries for this CPU's level (v4, v3) if the
+    package ships them for the running torch; else the first-use compile of a development checkout ("jit"); a
+    CPU below x86-64-v3 with only the prebuilt libraries gets "none" (torch's ops).
+    """
+    forced = os.environ.get(VARIANT_ENV, "").strip().lower()
+    forced = "" if forced == "auto" else forced
+    if forced not in ("", *VARIANTS):
+        raise ValueError(f"${VARIANT_ENV}={forced!r}: set it to one of {', '.join(VARIANTS)}, or auto (or unset it)")
+    directory = prebuilt_directory()
+    key = (forced, str(directory))
+    with _choice_lock:
+        if key not in _choices:
+            _choices[key] = choice = _choose(forced, directory)
+            _log_choice(choice, forced)
+        return _choices[key]
+
+
+def _choose(forced: str, directory: Path) -> KernelChoice:
+    if forced == "jit":
+        return KernelChoice("jit")
+    if forced == "none":
+        return KernelChoice("none", reason=f"${VARIANT_ENV}=none")
+    manifest = prebuilt_libraries(directory)
+    if manifest is None:
+        if forced:
+            return KernelChoice("none", reason=f"${VARIANT_ENV}={forced} but there are no prebuilt kernels in "
+                                               f"{directory} (build the wheel: `make wheel`)")
+        return KernelChoice("jit")  # a development checkout
+    built_for = manifest.get("torch")
+    if built_for != torch.__version__:
+        logger.warning(
+            "pagedkv: the prebuilt kernels in %s were built for torch %s, not this torch %s, so they are not "
+            "loaded: compiling them here instead (needs a C++ compiler); install torch==%s to use them",
+            directory, built_for, torch.__version__, built_for,
+        )
+        return KernelChoice("jit")
+    level = cpu_level()
+    if forced:
+        if forced == "v4" and level != "v4":
+            return KernelChoice("none", reason=f"${VARIANT_ENV}=v4 but this CPU has no AVX-512 (x86-64-v4)")
+        if level is None:
+            return KernelChoice("none", reason=f"${VARIANT_ENV}={forced} but this CPU is below x86-64-v3")
+        return KernelChoice(forced, directory, manifest["libraries"])
+    if level is None:
+        return KernelChoice("none", reason="this CPU lacks AVX2 / FMA / F16C (x86-64-v3), which the prebuilt kernels "
+                                           "need; a source install (`pip install -e .`) compiles them for it")
+    return KernelChoice(level, directory, manifest["libraries"])
+
+
+def _log_choice(choice: KernelChoice, forced: str) -> None:
+    how = f" (forced by ${VARIANT_ENV})" if forced else ""
+    if choice.variant in LEVEL_NAMES:
+        logger.info("pagedkv: prebuilt kernels, variant %s: %s, from %s%s",
+                    choice.variant, LEVEL_NAMES[choice.variant], choice.directory, how)
+    elif choice.variant == "jit":
+        logger.debug("pagedkv: kernels compiled on first use (-march=native)%s", how)
+    else:
+        logger.warning("pagedkv: no compiled kernels: %s. torch's ops run instead, %s", choice.reason, SLOWER)
 
 
 class CompiledLibrary:
@@ -53,6 +164,7 @@ class CompiledLibrary:
         self.error: str | None = None
         self._tried = False
         self._refused: str | None = None  # an unsafe cache's message, raised at every call
+        self._how = "built"  # what failed, for the warning: "built" (compiled here) or "loaded" (prebuilt)
         self._lock = threading.Lock()
 
     def fresh(self) -> CompiledLibrary:
@@ -64,7 +176,17 @@ class CompiledLibrary:
         return build_directory((*self.sources, *self.headers), CFLAGS + LDFLAGS, prefix=f"{self.name}-")
 
     def build(self) -> None:
-        load_or_build(self.name, self.sources, CFLAGS, LDFLAGS, self.build_directory())
+        """Load the wheel's prebuilt library for this CPU, else compile and cache it (:func:`kernel_choice`)."""
+        choice = kernel_choice()
+        if choice.variant == "jit":
+            load_or_build(self.name, self.sources, CFLAGS, LDFLAGS, self.build_directory())
+        elif choice.variant == "none":
+            raise KernelsUnavailable(choice.reason)
+        else:
+            self._how = "loaded"
+            library = choice.library(self.name)
+            load_prebuilt(library)
+            logger.debug("loaded %s", library)
 
     def available(self) -> bool:
         """Load or build the library (first call in this process); False, with one warning, if that failed."""
@@ -76,10 +198,15 @@ class CompiledLibrary:
                     self.loaded = True
                 except UnsafeCacheDirectory as exc:
                     self._refused = self.error = str(exc)
+                except KernelsUnavailable as exc:  # kernel_choice() has said so, in one warning for all libraries
+                    self.error = str(exc)
+                    logger.info("pagedkv: the %s are not loaded (%s); %s", self.what, self.error, self.fallback)
                 except Exception as exc:  # whatever else stops the build means: use the fallback
                     self.error = summarize_error(exc)
                     logger.debug("%s build failed", self.what, exc_info=True)
-                    logger.warning("pagedkv: the %s could not be built (%s); %s", self.what, self.error, self.fallback)
+                    logger.warning(
+                        "pagedkv: the %s could not be %s (%s); %s", self.what, self._how, self.error, self.fallback
+                    )
             if self._refused is not None:
                 raise UnsafeCacheDirectory(self._refused)
             return self.loaded
@@ -93,10 +220,8 @@ class CompiledLibrary:
             threading.Thread(target=self._available_quietly, name=f"build-{self.name}", daemon=True).start()
 
     def _available_quietly(self) -> None:
-        try:
+        with contextlib.suppress(UnsafeCacheDirectory):  # raised again at the caller's own available(), to fix
             self.available()
-        except UnsafeCacheDirectory:
-            pass  # raised again at the caller's own available(), where it is the user's to fix
 
     def require(self, instead: str) -> None:
         """Raise RuntimeError naming ``instead`` unless the library is loaded (one attribute read once it is)."""
@@ -129,14 +254,14 @@ portable = CompiledLibrary(
                                "gguf_blocks.cpp")],
     [_CSRC / "simd.h"],
     what="compiled ops (paged attention, RMSNorm, SiLU, RoPE)",
-    fallback="torch's ops run instead (attention_backend='gather', kernels=False skip the attempt)",
+    fallback=f"torch's ops run instead, {SLOWER} (attention_backend='gather', kernels=False skip the attempt)",
 )
 gemm = CompiledLibrary(
     "pagedkv_gemm",
     [_CSRC / "panel_linear.cpp"],
     [],
     what="panel GEMM ops (AVX2 + FMA)",
-    fallback="the linear layers run on torch's GEMM",
+    fallback="the linear layers run on torch's GEMM, roughly 2x slower decoding",
 )
 
 
@@ -167,6 +292,7 @@ def paged_attention(
     seq_lens: Tensor,
     query_start_loc: Tensor,
     scale: float,
+    window: int = 0,
 ) -> Tensor:
     """Causal ``softmax(q K^T * scale) V`` for every new row of a step, K/V read in place from the pool.
 
@@ -175,7 +301,8 @@ def paged_attention(
     those values); q fp32. Request ``b``'s rows are
     ``q[qsl[b]:qsl[b + 1]]`` (``query_start_loc [B + 1]``, from 0 to ``T``); row ``i`` sits at position
     ``seq_lens[b] - (qsl[b + 1] - i)`` and attends keys ``[0, position]``, whose K/V must be in the pool
-    already, its own included. ``block_tables [B, max_blocks]`` padded with 0. Query head ``h`` uses KV head
+    already, its own included; with ``window`` > 0 (a sliding-window layer) only keys ``(position - window,
+    position]``. ``block_tables [B, max_blocks]`` padded with 0. Query head ``h`` uses KV head
     ``h // (Hq // Hkv)``. A decode is a request with one row.
 
     Batch invariant: a row gets the same bits whatever else is in the call, however its request's rows are
@@ -204,6 +331,7 @@ def paged_attention(
         _dense(seq_lens, torch.int64),
         _dense(query_start_loc, torch.int64),
         float(scale),
+        int(window),
     )
 
 

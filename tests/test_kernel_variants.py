@@ -1,0 +1,115 @@
+"""Which kernels a process loads (issue 29): a wheel's prebuilt variant for the CPU, the first-use compile of a
+checkout, or none, and what it says. No compiling here: the prebuilt directory is a fake one (a manifest and
+empty files), and the load itself is what tests/test_wheel.py runs for real."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from pagedkv import extension, kernels
+
+V3 = "flags\t\t: fpu sse2 avx avx2 fma f16c bmi1 bmi2 movbe"
+V4 = V3 + " avx512f avx512bw avx512cd avx512dq avx512vl"
+
+
+def test_cpu_level():
+    assert extension.cpu_level(V4) == "v4"
+    assert extension.cpu_level(V3) == "v3"
+    assert extension.cpu_level(V3 + " avx512f") == "v3", "AVX-512F alone is not x86-64-v4"
+    assert extension.cpu_level(V3.replace(" f16c", "")) is None
+    assert extension.cpu_level("") is None
+    assert extension.cpu_level() in ("v3", "v4", None)
+
+
+@pytest.fixture
+def prebuilt(monkeypatch, tmp_path):
+    """A fake wheel's _lib for this torch (portable v3 + v4, GEMM v3); no variant forced; a v4 CPU."""
+    directory = tmp_path / "_lib"
+    directory.mkdir()
+    manifest = {"torch": torch.__version__, "libraries": {
+        "pagedkv_ops": {"v3": "pagedkv_ops_v3.so", "v4": "pagedkv_ops_v4.so"},
+        "pagedkv_gemm": {"v3": "pagedkv_gemm_v3.so"},
+    }}
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.setenv("PAGEDKV_KERNEL_DIR", str(directory))
+    monkeypatch.delenv(kernels.VARIANT_ENV, raising=False)
+    monkeypatch.setattr(kernels, "cpu_level", lambda: "v4")
+    monkeypatch.setattr(kernels, "_choices", {})
+    return directory
+
+
+def test_a_checkout_compiles_on_first_use(monkeypatch, tmp_path):
+    monkeypatch.setenv("PAGEDKV_KERNEL_DIR", str(tmp_path / "nothing"))
+    monkeypatch.delenv(kernels.VARIANT_ENV, raising=False)
+    monkeypatch.setattr(kernels, "_choices", {})
+    assert kernels.kernel_choice().variant == "jit"
+
+
+def test_the_wheel_loads_the_cpus_variant(prebuilt, caplog, monkeypatch):
+    with caplog.at_level(logging.INFO):
+        choice = kernels.kernel_choice()
+        assert kernels.kernel_choice() is choice
+    assert choice.variant == "v4"
+    assert choice.library("pagedkv_ops") == prebuilt / "pagedkv_ops_v4.so"
+    assert choice.library("pagedkv_gemm") == prebuilt / "pagedkv_gemm_v3.so", "one GEMM for both levels"
+    lines = [r.getMessage() for r in caplog.records if "prebuilt kernels" in r.getMessage()]
+    assert lines == [f"pagedkv: prebuilt kernels, variant v4: x86-64-v4 (AVX-512), from {prebuilt}"]
+    monkeypatch.setattr(kernels, "cpu_level", lambda: "v3")
+    monkeypatch.setattr(kernels, "_choices", {})
+    assert kernels.kernel_choice().library("pagedkv_ops") == prebuilt / "pagedkv_ops_v3.so"
+
+
+@pytest.mark.parametrize(("forced", "variant"), [("v3", "v3"), ("v4", "v4"), ("jit", "jit"), ("none", "none"),
+                                                 ("auto", "v4"), ("", "v4")])
+def test_forced_variants(prebuilt, monkeypatch, forced, variant):
+    monkeypatch.setenv(kernels.VARIANT_ENV, forced)
+    assert kernels.kernel_choice().variant == variant
+
+
+def test_forcing_what_cannot_run(prebuilt, monkeypatch, tmp_path):
+    monkeypatch.setattr(kernels, "cpu_level", lambda: "v3")
+    monkeypatch.setenv(kernels.VARIANT_ENV, "v4")
+    choice = kernels.kernel_choice()
+    assert choice.variant == "none" and "no AVX-512" in choice.reason
+    monkeypatch.setenv(kernels.VARIANT_ENV, "v3")
+    monkeypatch.setenv("PAGEDKV_KERNEL_DIR", str(tmp_path / "nothing"))
+    choice = kernels.kernel_choice()
+    assert choice.variant == "none" and "no prebuilt kernels" in choice.reason
+    monkeypatch.setenv(kernels.VARIANT_ENV, "avx2")
+    with pytest.raises(ValueError, match=kernels.VARIANT_ENV):
+        kernels.kernel_choice()
+
+
+def test_a_cpu_below_v3_runs_torch_with_one_warning(prebuilt, monkeypatch, caplog):
+    monkeypatch.setattr(kernels, "cpu_level", lambda: None)
+    portable, gemm = kernels.portable.fresh(), kernels.gemm.fresh()
+    with caplog.at_level(logging.INFO):
+        assert portable.available() is False
+        assert gemm.available() is False
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "no compiled kernels: this CPU lacks AVX2" in warnings[0]
+    assert kernels.SLOWER in warnings[0]
+    with pytest.raises(RuntimeError, match="x86-64-v3"):
+        portable.require("use kernels=False")
+
+
+def test_another_torch_compiles_instead(prebuilt, monkeypatch, caplog):
+    manifest = json.loads((prebuilt / "manifest.json").read_text())
+    (prebuilt / "manifest.json").write_text(json.dumps({**manifest, "torch": "1.0.0"}))
+    with caplog.at_level(logging.WARNING):
+        assert kernels.kernel_choice().variant == "jit"
+    assert "built for torch 1.0.0, not this torch" in caplog.text
+
+
+def test_a_library_that_does_not_load_is_loud(prebuilt, caplog):
+    (prebuilt / "pagedkv_ops_v4.so").write_bytes(b"not a library")
+    library = kernels.portable.fresh()
+    with caplog.at_level(logging.WARNING):
+        assert library.available() is False
+    assert "could not be loaded" in caplog.text and "pagedkv_ops_v4.so" in caplog.text
+    assert "slower" in caplog.text
