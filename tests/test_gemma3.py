@@ -9,8 +9,8 @@ engine with prefix-cache hits; pools start as NaN, so a read of an unwritten slo
 What remains of issue 26 for Gemma 3 (not done here):
 - windowed layers still hold every block of a request: blocks that slid out of every windowed layer's view
   are not released (the hybrid allocator, issue item 2), so KV memory is that of full attention;
-- the compiled paged-attention kernel and the decoder stack take no window: a model with windowed layers
-  attends on the torch backend ("gather"), said in a log line;
+- the compiled decoder stack takes no Gemma layer (four norms, GeLU, windows, two RoPE bases): Gemma's layers
+  run as modules, said in a log line (the attention kernel takes the window: tests/test_kernel_window.py);
 - the ``gemma3`` GGUF architecture and the real Gemma 3 270M file; the 262k-vocabulary LM head's speed.
 """
 
@@ -167,12 +167,24 @@ def test_unsupported_fields_are_refused_by_name(override, field):
         ModelSpec.from_hf_config(_config(**override))
 
 
-def test_kernel_backend_falls_back_to_torch_with_a_log_line(pair, caplog):
+def test_kernel_backend_matches_hf_and_skips_the_decoder_stack(pair, paged_harness, caplog):
+    """The compiled attention kernel with the window, compiled norms and RoPE; the stack says it stays out."""
+    if not kernels.portable.available():
+        pytest.skip("the compiled kernels cannot be built here")
     hf, _ = pair
-    with caplog.at_level(logging.INFO, logger="pagedkv.attention.backend"):
-        model = LlamaForCausalLM(hf.config, attention=KernelAttention())
-    assert model.attention.name == "gather"
-    assert "sliding-window layers" in caplog.text
+    model = LlamaForCausalLM(hf.config, attention=KernelAttention())
+    model.load_weights(dict(hf.state_dict()))
+    model.use_kernels()
+    a, b = _prompt(30, 3 * WINDOW + 1), _prompt(31, 6)
+    harness = paged_harness(model, block_size=4, seed=9)
+    with caplog.at_level(logging.INFO, logger="pagedkv.model.decoder_stack"):
+        first = harness.step([("a", a[:10]), ("b", b)])
+    assert "run as modules" in caplog.text and model._stack is False
+    second = harness.step([("a", a[10:]), ("b", [7])])
+    torch.testing.assert_close(first[0], _hf_logits(hf, a[:10]), atol=TOL, rtol=0)
+    torch.testing.assert_close(first[1], _hf_logits(hf, b), atol=TOL, rtol=0)
+    torch.testing.assert_close(second[0], _hf_logits(hf, a)[10:], atol=TOL, rtol=0)
+    torch.testing.assert_close(second[1], _hf_logits(hf, b + [7])[-1:], atol=TOL, rtol=0)
 
 
 # -- the whole engine: a checkpoint on disk, chunked prefill, batches and prefix-cache hits --------------------
@@ -219,7 +231,7 @@ def test_engine_greedy_and_logprobs_match_hf_with_chunks_and_prefix_hits(pair, c
         max_num_batched_tokens=16,
         weight_format="float32",
     )
-    assert llm.engine.attention.name == "gather"  # windows: the torch backend whatever was asked
+    assert llm.engine.attention.name == backend
     prompts = [_prompt(20, 5), _prompt(21, WINDOW), _prompt(22, 3 * WINDOW), _prompt(23, 45)]
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=1, ignore_eos=True)
     cold = llm.generate(prompt_token_ids=prompts, sampling_params=params)

@@ -8,7 +8,6 @@ only the kernel is batch-invariant to the bit.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Sequence
 from typing import Protocol
@@ -22,12 +21,9 @@ from pagedkv.attention.paged import KernelAttention, TorchAttention
 BACKENDS = ("kernel", "gather")  # the compiled paged attention kernel, or gather + SDPA (torch only)
 ENV_VAR = "PAGEDKV_ATTENTION_BACKEND"
 
-logger = logging.getLogger(__name__)
-
 
 class AttentionBackend(Protocol):
     name: str  # one of BACKENDS
-    supports_window: bool  # whether forward computes sliding-window layers (window > 0)
 
     def build_metadata(
         self, block_tables: Sequence[Sequence[int]], query_lens: Sequence[int], seq_lens: Sequence[int], block_size: int
@@ -65,17 +61,3 @@ def select_backend(requested: str | None) -> AttentionBackend:
         requested, source = value, f"${ENV_VAR}={value}"
     wanted = None if requested is None else requested == "kernel"
     return KernelAttention() if kernels.use_compiled(wanted, source, kernels.portable) else TorchAttention()
-
-
-def for_model(attention: AttentionBackend, model_type: str, windowed: bool) -> AttentionBackend:
-    """``attention``, or the torch backend where the model has sliding-window layers (``windowed``) that
-    ``attention`` does not compute, said in a log line: a model runs slower rather than wrong."""
-    if windowed and not attention.supports_window:
-        logger.info(
-            "%s has sliding-window layers, which the %r attention backend does not compute: this model attends on "
-            "the torch backend ('gather')",
-            model_type,
-            attention.name,
-        )
-        return TorchAttention()
-    return attention

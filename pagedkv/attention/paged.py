@@ -32,7 +32,6 @@ class TorchAttention:
     prefill chunk or one decode at a time measured 1e-6 apart), and may depend on the thread count."""
 
     name = "gather"
-    supports_window = True  # sliding-window layers: each query sees keys (p - window, p]
     # The step's metadata, with the contexts to gather (the same for every layer, so built once a step).
     build_metadata = GatherMetadata.build
 
@@ -94,7 +93,6 @@ class KernelAttention:
     """Every row on the compiled kernel in one call: no K/V copy, batch-invariant (see the module docstring)."""
 
     name = "kernel"
-    supports_window = False  # a model with sliding-window layers attends on the torch backend (LlamaForCausalLM)
     # The step's metadata: the kernel needs only slots, block tables, lengths and row offsets.
     build_metadata = AttentionMetadata.build
 
@@ -110,7 +108,7 @@ class KernelAttention:
         window: int = 0,
     ) -> Tensor:
         """As :meth:`TorchAttention.forward`; both pools written in one compiled call."""
-        if window:
-            raise ValueError(f"the compiled kernel attends to whole contexts, not a window of {window}: use 'gather'")
         kernels.write_kv(k_pool, v_pool, meta.slot_mapping, k, v)
-        return kernels.paged_attention(q, k_pool, v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
+        return kernels.paged_attention(
+            q, k_pool, v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, window
+        )

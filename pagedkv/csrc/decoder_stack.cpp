@@ -44,7 +44,7 @@ using PanelLinearInto = void(const Tensor&, const Tensor&, int64_t, int64_t, int
 using Rope = Tensor&(Tensor&, const Tensor&, const Tensor&);
 using WriteKv = void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&);
 using PagedAttention = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                              double);
+                              double, int64_t);
 using SiluMul = Tensor(const Tensor&);
 
 struct Ops {
@@ -162,7 +162,7 @@ class DecoderStack : public torch::CustomClassHolder {
       ops.write_kv.call(k_pools_[l], v_pools_[l], slot_mapping, qk.narrow(1, num_heads_, num_kv_heads_),
                         qkv.narrow(1, qk_heads, num_kv_heads_));
       const Tensor attended = ops.paged_attention.call(qk.narrow(1, 0, num_heads_), k_pools_[l], v_pools_[l],
-                                                       block_tables, seq_lens, query_start_loc, scale_);
+                                                       block_tables, seq_lens, query_start_loc, scale_, 0);
       const Tensor out = layer.o(ops, attended.view({tokens, -1}));
       // MLP: h += out, normalised; then h += down(silu(gate) * up)
       const Tensor x = ops.rms_norm.call(out, layer.post_norm, eps_, h);

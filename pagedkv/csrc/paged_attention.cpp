@@ -2,8 +2,9 @@
 // pool through the block table (no gather copy), with results that are bitwise batch-invariant.
 //
 // Rows. Request b's new rows are q[qsl[b], qsl[b + 1]); row i sits at position p = seq_lens[b] - (qsl[b + 1] - i)
-// and attends keys [0, p], causally (the caller has written its own K/V already). A decode is a request with
-// one row, so a prefill chunk, a decode and a speculative draft all run the same code.
+// and attends keys [0, p], causally (the caller has written its own K/V already); with a window w > 0 (a
+// sliding-window layer, e.g. Gemma 3's) only keys (p - w, p]. A decode is a request with one row, so a prefill
+// chunk, a decode and a speculative draft all run the same code.
 //
 // Invariance by construction: a row's float operations depend on its position p alone. Its keys are cut into
 // partitions of a FIXED kPartition tokens (never chosen from the batch or the thread count), each walked in
@@ -12,6 +13,13 @@
 // (vLLM's paged attention v2), always in ascending order, by one function; a row with one partition comes out
 // as acc / l. Which work item, thread or neighbours a row gets changes what runs when, never what is computed:
 // a request's rows are the same bits as one prefill chunk, as several, or one decode at a time.
+//
+// Windows. A row's keys before p - w + 1 are out of its view: tiles and partitions wholly before the view of
+// every row of an item are not walked (a windowed layer's cost stays bounded however long the context), a
+// partition out of one row's view is not merged into it (the first it merges is the one holding p - w + 1),
+// and within a tile the keys before the view get weight 0 like the keys past p. All of this depends on p and
+// w alone, so a windowed row is as batch-invariant as any other. Keys out of view are still read where a
+// tile straddles the view's start (their weight is 0): their blocks must hold finite values.
 //
 // Work items: up to kRows consecutive rows of one request, over all their partitions in turn, merged as they
 // come -- except a lone row (a decode) with a long context, whose partitions are items of their own, so that
@@ -105,9 +113,13 @@ struct Problem {
   const int64_t* query_loc;  // [batch + 1]
   int64_t q_heads, kv_heads, group, dim, block_size, max_blocks;
   float scale;
+  int64_t window;  // 0: every row attends its whole context; w > 0: keys (p - w, p]
 
   // Row i of request b sits at position first_position(b) + i.
   int64_t first_position(int64_t b) const { return seq_lens[b] - query_loc[b + 1]; }
+  // The first key the row at position p attends to, and the first partition holding one.
+  int64_t view_start(int64_t p) const { return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0; }
+  int64_t first_partition(int64_t p) const { return view_start(p) / kPartition; }
 };
 
 // Rows [row_begin, row_end) of `request` over partitions [part_begin, part_end): all of the rows' partitions,
@@ -229,11 +241,14 @@ void accumulate(float* acc, const float* p, const T* v, const int64_t* offsets, 
       for (int64_t i = 0; i < n; ++i) acc[j * dim + d] += p[j * kTile + i] * v[offsets[i] + d];
 }
 
-// Fold one query's tile scores s[0, n) into its online softmax: s becomes p = exp(s - m_new), then 0 up to
-// `width` (the keys the group's accumulate reads); the sum and accumulator are rescaled when the max grows.
-// Lanes [n, n rounded up to 8) are scratch. The operations depend on n alone, not on `width`.
-inline void softmax_update(float* s, int64_t n, int64_t width, float& m, float& l, float* acc, int64_t dim) {
+// Fold one query's tile scores s[skip, n) into its online softmax: s becomes p = exp(s - m_new), then 0 up to
+// `width` (the keys the group's accumulate reads) and below `skip` (keys before a window, skip < n); the sum
+// and accumulator are rescaled when the max grows. Lanes [n, n rounded up to 8) are scratch. The operations
+// depend on n and skip alone, not on `width`.
+inline void softmax_update(float* s, int64_t skip, int64_t n, int64_t width, float& m, float& l, float* acc,
+                           int64_t dim) {
   const int64_t padded = round_up(n, kLanes);
+  std::fill(s, s + skip, kNegInf);
   std::fill(s + n, s + padded, kNegInf);
   Vec max = splat(m);
   for (int64_t i = 0; i < padded; i += kLanes) {
@@ -243,6 +258,7 @@ inline void softmax_update(float* s, int64_t n, int64_t width, float& m, float& 
   float m_new = max[0];
   for (int j = 1; j < kLanes; ++j) m_new = std::max(m_new, max[j]);
   for (int64_t i = 0; i < padded; i += kLanes) store(s + i, vexp(load(s + i) - m_new));
+  std::fill(s, s + skip, 0.0f);
   std::fill(s + n, s + std::max(padded, width), 0.0f);
   Vec sum = {};
   for (int64_t i = 0; i < padded; i += kLanes) sum += load(s + i);
@@ -290,7 +306,9 @@ void attend(const Problem& pr, const Item& item, int64_t part, Scratch& s) {
 
   // Keys per slice of the first and last pass: one KV head's rows of them fill half the L1 (32 KiB on most x86).
   const int64_t sub = std::clamp<int64_t>(16384 / (dim * sizeof(T)) / kLanes * kLanes, kLanes, kTile);
-  for (int64_t t = begin; t < end; t += kTile) {
+  // Tiles before the first row's view (the earliest of the item's) hold no key any row attends to.
+  const int64_t view = pr.view_start(first_pos), first_tile = begin + std::max<int64_t>(0, view - begin) / kTile * kTile;
+  for (int64_t t = first_tile; t < end; t += kTile) {
     const int64_t n = std::min(kTile, end - t), next = std::min(kTile, end - t - n);
     const int64_t* tile = offsets + (t - begin);
     const int64_t live = std::clamp<int64_t>(t - first_pos, 0, rows);  // rows before it ended before this tile
@@ -310,6 +328,9 @@ void attend(const Problem& pr, const Item& item, int64_t part, Scratch& s) {
       const auto keys = [&](int64_t x) {  // vector x's keys in this tile: its row's (>= 1), or 0 for padding
         return x < x_end ? std::min(first_pos + x / group + 1 - t, n) : 0;
       };
+      const auto skip = [&](int64_t x) {  // vector x's keys before its row's window, in this tile (0 without one)
+        return std::clamp<int64_t>(pr.view_start(first_pos + x / group) - t, 0, n);
+      };
       const auto width = [&](int64_t x0) { return keys(std::min(x0 + kM, x_end) - 1); };  // the group's widest
       const auto scores = [&](int64_t x) { return s.scores.data() + (x - x_begin) * kTile; };
       const auto at = [&](int64_t x) { return h * vecs + x; };  // x's index into the scratch q, acc, m, l
@@ -320,8 +341,9 @@ void attend(const Problem& pr, const Item& item, int64_t part, Scratch& s) {
                             std::min(width(x0) - i0, sub), dim);
       for (int64_t x0 = x_begin; x0 < x_end; x0 += kM)
         for (int64_t x = x0; x < x0 + kM; ++x) {
-          if (keys(x) > 0)
-            softmax_update(scores(x), keys(x), width(x0), s.m[at(x)], s.l[at(x)], s.acc.data() + at(x) * dim, dim);
+          if (keys(x) > skip(x))
+            softmax_update(scores(x), skip(x), keys(x), width(x0), s.m[at(x)], s.l[at(x)], s.acc.data() + at(x) * dim,
+                           dim);
           else
             std::fill(scores(x), scores(x) + width(x0), 0.0f);
         }
@@ -344,21 +366,24 @@ std::vector<Item> plan(const Problem& pr, int64_t batch, Partials& partials) {
     const int64_t first_pos = pr.first_position(b);
     const auto keys_in = [&](int64_t r0, int64_t r1, int64_t part) {  // keys rows [r0, r1) attend in `part`
       int64_t keys = 0;
-      for (int64_t i = r0; i < r1; ++i)
-        keys += std::clamp<int64_t>(first_pos + i + 1 - part * kPartition, 0, kPartition);
+      for (int64_t i = r0; i < r1; ++i) {
+        const int64_t lo = std::max(pr.view_start(first_pos + i), part * kPartition);
+        keys += std::clamp<int64_t>(std::min(first_pos + i + 1, (part + 1) * kPartition) - lo, 0, kPartition);
+      }
       return keys;
     };
     for (int64_t r0 = pr.query_loc[b]; r0 < pr.query_loc[b + 1]; r0 += kRows) {
       const int64_t r1 = std::min(r0 + kRows, pr.query_loc[b + 1]), parts = (first_pos + r1 - 1) / kPartition + 1;
+      const int64_t first_part = pr.first_partition(first_pos + r0);  // the item's first row's: the earliest
       if (r1 - r0 == 1) {  // a lone row: an item per KV head (and per partition, when it has several)
-        if (parts > 1) partials.first[r0] = slots, slots += parts;
+        if (parts - first_part > 1) partials.first[r0] = slots, slots += parts - first_part;
         for (int64_t h = 0; h < pr.kv_heads; ++h)
-          for (int64_t part = 0; part < parts; ++part)
+          for (int64_t part = first_part; part < parts; ++part)
             items.push_back({b, r0, r1, part, part + 1, h, h + 1, keys_in(r0, r1, part) / pr.kv_heads});
       } else {
         int64_t work = 0;
-        for (int64_t part = 0; part < parts; ++part) work += keys_in(r0, r1, part);
-        items.push_back({b, r0, r1, 0, parts, 0, pr.kv_heads, work});
+        for (int64_t part = first_part; part < parts; ++part) work += keys_in(r0, r1, part);
+        items.push_back({b, r0, r1, first_part, parts, 0, pr.kv_heads, work});
       }
     }
   }
@@ -392,15 +417,18 @@ void run(const Problem& pr, int64_t batch, float* out) {
         attend<kDim, T>(pr, it, part, s);
         for (int64_t i = it.row_begin; i < it.row_end; ++i) {
           if (first_pos + i < part * kPartition) continue;  // the row ends before this partition
+          const int64_t row_first = pr.first_partition(first_pos + i);
+          if (part < row_first) continue;  // the partition ends before the row's window
           for (int64_t head = it.kv_begin * group; head < it.kv_end * group; ++head) {
             const int64_t at = (head / group) * s.vecs + (i - it.row_begin) * group + head % group;
             const float* acc = s.acc.data() + at * dim;
             if (lone) {
-              const int64_t slot = (partials.first[i] + part) * heads + head;
+              const int64_t slot = (partials.first[i] + part - row_first) * heads + head;
               std::copy(acc, acc + dim, partials.acc.begin() + slot * dim);
               partials.m[slot] = s.m[at], partials.l[slot] = s.l[at];
             } else {
-              merge_partition(part == 0, s.m[at], s.l[at], acc, s.M[at], s.L[at], s.O.data() + at * dim, dim);
+              merge_partition(part == row_first, s.m[at], s.l[at], acc, s.M[at], s.L[at], s.O.data() + at * dim,
+                              dim);
             }
           }
         }
@@ -422,8 +450,9 @@ void run(const Problem& pr, int64_t batch, float* out) {
       const int64_t i = rh / heads, head = rh % heads, first = partials.first[i];
       if (first < 0) continue;
       const int64_t request = std::upper_bound(pr.query_loc, pr.query_loc + batch + 1, i) - pr.query_loc - 1;
-      const int64_t parts = (pr.first_position(request) + i) / kPartition + 1;
-      for (int64_t part = 0; part < parts; ++part) {
+      const int64_t position = pr.first_position(request) + i;
+      const int64_t parts = position / kPartition + 1 - pr.first_partition(position);
+      for (int64_t part = 0; part < parts; ++part) {  // counted from the row's first partition
         const int64_t slot = (first + part) * heads + head;
         merge_partition(part == 0, partials.m[slot], partials.l[slot], partials.acc.data() + slot * dim, M, L,
                         O.data(), dim);
@@ -465,12 +494,13 @@ inline void store_row(T* dst, const float* src, int64_t n) {
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                           const at::Tensor& query_start_loc, double scale) {
+                           const at::Tensor& query_start_loc, double scale, int64_t window) {
   TORCH_CHECK_VALUE(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2),
                     "q must be fp32 [T, Hq, D], contiguous within each row");
   check_pools(k_pool, v_pool, "paged_attention");
   TORCH_CHECK_VALUE(q.size(2) == k_pool.size(3) && q.size(1) % k_pool.size(2) == 0,
                     "q [T, Hq, D] needs the pool's D and Hq a multiple of its Hkv");
+  TORCH_CHECK_VALUE(window >= 0, "paged_attention: window must be >= 0 (0: none), got ", window);
   const int64_t batch = seq_lens.numel();
   const auto is_index = [](const at::Tensor& t, int64_t dims, int64_t rows) {
     return t.dim() == dims && t.scalar_type() == at::kLong && t.is_contiguous() && t.size(0) == rows;
@@ -501,7 +531,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
   if (batch == 0) return out;
   const Problem pr{q.data_ptr<float>(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
                    tables, lens, qsl, q_heads, kv_heads, q_heads / kv_heads, dim, bs, max_blocks,
-                   static_cast<float>(scale)};
+                   static_cast<float>(scale), window};
   if (k_pool.scalar_type() == at::kHalf)
     run_for_dim<_Float16>(pr, batch, out.data_ptr<float>());
   else
@@ -545,10 +575,11 @@ void write_kv(const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tens
     write(k_pool.data_ptr<float>(), v_pool.data_ptr<float>());
 }
 
-// torch.ops.pagedkv.paged_attention: q [T, Hq, D] -> [T, Hq, D], each row causal over its request's context.
+// torch.ops.pagedkv.paged_attention: q [T, Hq, D] -> [T, Hq, D], each row causal over its request's context
+// (window > 0: over its last `window` keys).
 TORCH_LIBRARY_FRAGMENT(pagedkv, m) {
   m.def("write_kv(Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slot_mapping, Tensor k, Tensor v) -> ()", &write_kv);
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor seq_lens, "
-        "Tensor query_start_loc, float scale) -> Tensor",
+        "Tensor query_start_loc, float scale, int window=0) -> Tensor",
         &paged_attention);
 }

@@ -71,7 +71,6 @@ class LLMEngine:
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         model = loaded.model
-        self.attention = model.attention  # the torch backend where the model needs what the kernel lacks (windows)
         kv_dtype = KV_DTYPES[config.kv_cache_dtype]
         block_bytes = kv_block_bytes(model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, kv_dtype)
         num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gb * 2**30) // block_bytes)

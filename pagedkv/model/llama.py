@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from pagedkv import kernels
-from pagedkv.attention.backend import AttentionBackend, for_model
+from pagedkv.attention.backend import AttentionBackend
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.attention.paged import TorchAttention
 from pagedkv.model import gguf_blocks, gguf_weights, panel
@@ -134,7 +134,7 @@ class LlamaForCausalLM(nn.Module):
         self.spec = spec = ModelSpec.from_hf_config(hf_config)
         self.tp = tp
         weight_dtype = WEIGHT_FORMATS[weight_format]
-        self.attention = for_model(attention or TorchAttention(), spec.model_type, any(spec.layer_windows))
+        self.attention = attention or TorchAttention()
         self.vocab_rows = tp.vocab_rows(spec.vocab_size)  # this rank's slice of the vocabulary
         self.embed_tokens = empty_parameter(self.vocab_rows, spec.hidden_size, dtype=weight_dtype)
         self.layers = nn.ModuleList(
