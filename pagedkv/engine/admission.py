@@ -24,16 +24,38 @@ from pagedkv.engine.request import Request
 # model, 8 requests decoding: a chunk of 32 scored rows 99 ms, plain 60 ms; of 64, 151 ms and 95 ms).
 SCORED_ROW_COST = 2
 
+# While requests decode, a prompt row also costs one more plain row per CONTEXT_TOKENS_PER_ROW tokens of the
+# prompt before its chunk (counted in whole CONTEXT_STEPs), since a chunk's attention reads all of them. The
+# default model, one thread, 4 requests decoding, CPU time of a step with a 64-token chunk: 0.17 s at the
+# start of a prompt, 0.32 s 1,800 tokens in, 0.48 s at 4,000, 0.64 s at 6,700 (a 32-token chunk: 0.11, 0.19,
+# 0.33, 0.43 s) -- past ~3,000 tokens a 64-token chunk alone broke issue 25's 0.5 s target. Weighed, the
+# chunk shrinks to 34 tokens at 2,000, 26 at 3,000, 21 at 4,000, 13 at 8,000, and a step stays ~0.2-0.37 s.
+CONTEXT_TOKENS_PER_ROW = 2048
+CONTEXT_STEP = 256
 
-def prefill_cost(request: Request, num_new: int) -> int:
-    """What a prefill chunk of ``num_new`` tokens takes from the step's prefill budget."""
-    return num_new * SCORED_ROW_COST if request.scores_prompt else num_new
 
+@dataclass(slots=True)
+class PrefillBudget:
+    """What prompt chunks may still take from one step: ``left``, in plain rows at the start of a prompt."""
 
-def chunk_within(request: Request, budget: int) -> int:
-    """The most prompt tokens of ``request`` whose cost fits in ``budget`` (at least one of a budget > 0, so
-    a request scoring its prompt progresses under any ``max_num_batched_tokens``)."""
-    return max(budget // SCORED_ROW_COST, min(budget, 1)) if request.scores_prompt else budget
+    left: int
+    weigh_context: bool  # requests decode: a row's cost grows with the context before its chunk
+
+    def _row_cost(self, request: Request, start: int) -> int:
+        """A prompt row's cost from position ``start`` on, in 1/CONTEXT_TOKENS_PER_ROW plain rows."""
+        context = start // CONTEXT_STEP * CONTEXT_STEP if self.weigh_context else 0
+        return (CONTEXT_TOKENS_PER_ROW + context) * (SCORED_ROW_COST if request.scores_prompt else 1)
+
+    def chunk(self, request: Request, start: int) -> int:
+        """The most prompt tokens of ``request`` from position ``start`` whose cost fits in what is left (at
+        least one while anything is left, so a prompt progresses under any budget)."""
+        if self.left <= 0:
+            return 0
+        return max(self.left * CONTEXT_TOKENS_PER_ROW // self._row_cost(request, start), 1)
+
+    def spend(self, request: Request, start: int, num_new: int) -> None:
+        """Take a chunk of ``num_new`` prompt tokens from position ``start`` (rounded up to whole rows)."""
+        self.left -= -(-num_new * self._row_cost(request, start) // CONTEXT_TOKENS_PER_ROW)
 
 
 @dataclass(slots=True)
@@ -43,8 +65,9 @@ class FairShare:
     max_seqs_per_group: int  # seats one request's n samples hold while others wait
     max_prefill_tokens_with_decodes: int
 
-    def prefill_budget(self, running: Iterable[Request]) -> int:
-        """Prompt tokens this step may compute (scored rows weigh more, see ``SCORED_ROW_COST``).
+    def prefill_budget(self, running: Iterable[Request]) -> PrefillBudget:
+        """Prompt tokens this step may compute (scored rows weigh more, see ``SCORED_ROW_COST``, and while
+        requests decode, rows far into a prompt do too, see ``CONTEXT_TOKENS_PER_ROW``).
 
         Decode-first, as vLLM's chunked prefill: the decoding requests' rows are set aside, and while any
         request decodes, prompts get at most ``max_prefill_tokens_with_decodes``, since every stream waits for
@@ -57,8 +80,9 @@ class FairShare:
         """
         decoding = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
         if not decoding:
-            return self.max_num_batched_tokens
-        return max(0, min(self.max_prefill_tokens_with_decodes, self.max_num_batched_tokens - decoding))
+            return PrefillBudget(self.max_num_batched_tokens, weigh_context=False)
+        left = min(self.max_prefill_tokens_with_decodes, self.max_num_batched_tokens - decoding)
+        return PrefillBudget(max(0, left), weigh_context=True)
 
     def seats_to_reclaim(self, running: list[Request], waiting: Iterable[Request]) -> list[Request]:
         """The newest samples of requests holding more than ``max_seqs_per_group`` seats, as many as the

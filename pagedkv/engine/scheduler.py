@@ -27,7 +27,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from pagedkv.engine import speculative
-from pagedkv.engine.admission import SCORED_ROW_COST, FairShare, chunk_within, prefill_cost  # noqa: F401 - re-exported
+from pagedkv.engine.admission import SCORED_ROW_COST, FairShare, PrefillBudget  # noqa: F401 - re-exported
 from pagedkv.engine.request import CoreOutput, PromptLogprob, Request
 from pagedkv.kv.hashing import BlockKey
 from pagedkv.kv.manager import KVCacheManager, PrefixHit
@@ -108,7 +108,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self._reclaim_seats()
         budget = self.max_num_batched_tokens
-        prefill_budget = self.fair.prefill_budget(self.running)
+        prefill = self.fair.prefill_budget(self.running)
         scheduled: list[ScheduledRequest] = []
         preempted = 0
         i = 0
@@ -116,12 +116,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = request.num_tokens - request.num_computed_tokens
-            if num_new > 1:  # a prefill chunk
-                num_new = min(num_new, budget, chunk_within(request, prefill_budget))
+            prefilling = num_new > 1
+            if prefilling:  # a prefill chunk
+                num_new = min(num_new, budget, prefill.chunk(request, request.num_computed_tokens))
                 if num_new == 0:  # this step's prefill budget is spent: its prompt goes on next step
                     i += 1
                     continue
-            drafts = self._drafts(request, min(draft_len, budget - 1)) if num_new == 1 and draft_len else []
+            drafts = self._drafts(request, min(draft_len, budget - 1)) if not prefilling and draft_len else []
             if drafts and not self._allocate(request, request.num_tokens + len(drafts)):
                 drafts = []  # a guess never preempts anyone
             while not self._allocate(request, request.num_computed_tokens + num_new):
@@ -133,11 +134,11 @@ class Scheduler:
             else:
                 scheduled.append(ScheduledRequest(request, num_new, drafts))
                 budget -= num_new + len(drafts)
-                if num_new > 1:
-                    prefill_budget -= prefill_cost(request, num_new)
+                if prefilling:
+                    prefill.spend(request, request.num_computed_tokens, num_new)
                 i += 1
         if not preempted:
-            self._admit_waiting(min(budget, prefill_budget), scheduled)
+            self._admit_waiting(budget, prefill, scheduled)
         return SchedulerOutput(scheduled)
 
     def _reclaim_seats(self) -> None:
@@ -185,7 +186,7 @@ class Scheduler:
             drafts = drafts[: request.grammar.validate_tokens(drafts)]
         return drafts
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+    def _admit_waiting(self, budget: int, prefill: PrefillBudget, scheduled: list[ScheduledRequest]) -> None:
         """Admit waiting requests while blocks, prompt budget and seats last, fairly between requests.
 
         The next seat goes to the waiting request (group of n samples) holding the fewest seats, the earliest
@@ -207,7 +208,7 @@ class Scheduler:
         turns = [(seats[group], order, group) for order, group in enumerate(queues)]
         heapq.heapify(turns)
         admitted: set[str] = set()
-        while turns and budget > 0 and len(self.running) < self.max_num_seqs:
+        while turns and min(budget, prefill.left) > 0 and len(self.running) < self.max_num_seqs:
             _, order, group = heapq.heappop(turns)
             queue = queues[group]
             if seats[group] >= self.max_seqs_per_group and self.fair.below_share(held_back - {group}, seats):
@@ -230,7 +231,7 @@ class Scheduler:
             # Scoring the prompt needs every position's logits: its prefill starts at 0 over the cached
             # blocks (their K/V is read, not written again), as much work as a cold run and never more.
             start = 0 if request.scores_prompt else hit.num_tokens
-            num_new = min(request.num_tokens - start, chunk_within(request, budget))
+            num_new = min(request.num_tokens - start, budget, prefill.chunk(request, start))
             if num_new == 0 or not self._allocate(request, max(hit.num_tokens, start + num_new), prefix=hit):
                 break
             if request.num_cached_tokens is None:
@@ -240,7 +241,8 @@ class Scheduler:
             request.num_computed_tokens = start
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new))
-            budget -= prefill_cost(request, num_new)
+            budget -= num_new
+            prefill.spend(request, start, num_new)
             seats[group] += 1
             admitted.add(request.request_id)
             in_flight.update(request.block_keys[first_new_block : request.num_prompt_tokens // self.kv.block_size])
