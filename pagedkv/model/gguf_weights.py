@@ -6,6 +6,10 @@ them for its own RoPE layout): :func:`hf_tensors` renames every tensor and puts 
 whole rows of ggml blocks, so nothing is de-quantised. A tensor it does not know is refused by name: an
 unknown tensor is a part of the model the engine would silently leave out.
 
+``gemma3`` files name Gemma's four norms a layer their own way (``ffn_norm`` is the MLP's input norm there, not
+the attention output's) and hold every norm weight as ``1 + w`` (llama.cpp's converter adds the 1): the norms
+are handed on as HF's ``w``, ``(1 + w) - 1`` in fp32 as transformers computes it, and the model adds the 1 back.
+
 :class:`DequantizedTensors` is the other way in: every tensor de-quantised to fp32 when the loader asks for it,
 for ``weight_format="float32"`` / ``"bfloat16"`` (the reference) and where the compiled kernels are unavailable.
 """
@@ -18,6 +22,7 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as numpy_dequantize
 from torch import Tensor
 
@@ -28,7 +33,7 @@ from pagedkv.model.gguf_file import GGUFError, GGUFFile, GGUFTensor
 logger = logging.getLogger(__name__)
 
 # GGUF architecture -> the HF model_type its config converts to (transformers' GGUF support does the converting)
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -47,6 +52,16 @@ _LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# per architecture, the layer parts named differently from llama's
+_LAYER_BY_ARCHITECTURE = {
+    "gemma3": {
+        **_LAYER,
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    }
+}
+_NORMS_PLUS_ONE = {"gemma3"}  # architectures whose files hold norm weights as 1 + w
 _LAYER_NAME = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<part>[a-z_]+)\.(?P<kind>weight|bias)$")
 # llama 3's rope_freqs holds the long-context RoPE factors, which the config's rope_scaling already gives
 _REDUNDANT = {"rope_freqs.weight"}
@@ -64,20 +79,31 @@ def check_architecture(gguf: GGUFFile) -> None:
 def hf_tensors(gguf: GGUFFile, num_heads: int, num_kv_heads: int) -> dict[str, GGUFTensor]:
     """Every tensor of ``gguf`` by its HF name, llama's q/k rows in HF order; raises on a tensor it does not know."""
     renamed: dict[str, GGUFTensor] = {}
+    layer_parts = _LAYER_BY_ARCHITECTURE.get(gguf.architecture, _LAYER)
     for name, tensor in gguf.tensors.items():
         if name in _REDUNDANT:
             continue
         hf_name = _GLOBAL.get(name)
         match = _LAYER_NAME.match(name)
-        if match is not None and match["part"] in _LAYER:
-            hf_name = f"model.layers.{match['layer']}.{_LAYER[match['part']]}.{match['kind']}"
+        if match is not None and match["part"] in layer_parts:
+            hf_name = f"model.layers.{match['layer']}.{layer_parts[match['part']]}.{match['kind']}"
         if hf_name is None:
             raise GGUFError(f"{gguf.path}: tensor {name!r} is not part of a {gguf.architecture} model pagedkv knows")
         if gguf.architecture == "llama" and match is not None and match["part"] in ("attn_q", "attn_k"):
             heads = num_heads if match["part"] == "attn_q" else num_kv_heads
             tensor = tensor.take_rows(_hf_row_order(tensor.shape[0], heads))
+        if gguf.architecture in _NORMS_PLUS_ONE and hf_name.endswith("norm.weight"):
+            tensor = _minus_one(tensor)
         renamed[hf_name] = tensor
     return renamed
+
+
+def _minus_one(tensor: GGUFTensor) -> GGUFTensor:
+    """A norm weight stored as ``1 + w``, as ``w`` (fp32)."""
+    values = (dequantize(tensor) - 1.0).contiguous()
+    return GGUFTensor(
+        tensor.name, GGMLQuantizationType.F32, tensor.shape, values.view(torch.uint8).view(1, -1), tensor.file
+    )
 
 
 def _hf_row_order(rows: int, heads: int) -> Tensor:
