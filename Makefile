@@ -5,7 +5,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test test-browser test-ray test-gemma3 lint bench setup clean wheel
+.PHONY: run test test-browser test-ray test-gemma3 lint bench setup clean wheel test-wheel
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -65,6 +65,10 @@ llama-server: $(STAMP)
 WHEEL_JOBS ?= 1
 wheel: $(STAMP)
 	MAX_JOBS=$(WHEEL_JOBS) $(BIN)/pip wheel --no-build-isolation --no-deps --wheel-dir dist .
+
+# Installs that wheel into a fresh venv with no compiler reachable and runs the default model there (minutes).
+test-wheel: $(STAMP)
+	PAGEDKV_TEST_WHEEL=1 $(BIN)/python -m pytest -q -rs tests/test_wheel.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check pagedkv tests benchmarks run.py
