@@ -10,7 +10,8 @@ pyproject.toml holds the package's metadata; this file only adds the build of th
   ``target("avx512f")`` attributes and are picked at run time, so one build serves both.
 
 ``manifest.json`` beside them names the torch they were built against: the loader uses them only with that
-torch (the C++ ABI), and otherwise compiles on first use as a development checkout does.
+torch (the C++ ABI), and otherwise compiles on first use as a development checkout does; the wheel's metadata
+requires that torch (``torch==2.13.0`` rather than pyproject's ``torch>=2.4``).
 
 Build with ``make wheel`` (``pip wheel --no-build-isolation --no-deps .``): the libraries link against the
 torch installed in this environment, so the build must see it; an isolated build would download another
@@ -29,6 +30,7 @@ import sys
 from pathlib import Path
 
 from setuptools import Extension, setup
+from setuptools.command.bdist_wheel import bdist_wheel as setuptools_bdist_wheel
 from setuptools.command.build_ext import build_ext as setuptools_build_ext
 
 CSRC = "pagedkv/csrc"
@@ -139,6 +141,29 @@ class build_ext(torch_build_ext()):  # noqa: N801 (setuptools' command name)
             "libraries": libraries,
         }
         (directory / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        BUILT_FOR["torch"] = torch_version
+
+
+BUILT_FOR: dict[str, str] = {}  # the torch the kernels were just built against, for the wheel's requirement
+
+
+class bdist_wheel(setuptools_bdist_wheel):  # noqa: N801 (setuptools' command name)
+    """A wheel with kernels requires the torch they were built against: ``Requires-Dist: torch==<version>``
+    (the public version: 2.13.0+cpu and 2.13.0 share the C++ ABI) instead of pyproject's ``torch>=2.4``."""
+
+    def write_wheelfile(self, distinfo_path: str, *args, **kwargs) -> None:
+        """Called on the wheel's dist-info, whether made from egg-info or copied from pip's metadata step."""
+        super().write_wheelfile(distinfo_path, *args, **kwargs)
+        if "torch" not in BUILT_FOR:
+            return
+        pinned = f"torch=={BUILT_FOR['torch'].split('+')[0]}"
+        metadata = Path(distinfo_path) / "METADATA"
+        lines = metadata.read_text().split("\n")
+        for i, line in enumerate(lines):
+            if line.startswith("Requires-Dist: torch") and ";" not in line:  # not an extra's
+                lines[i] = f"Requires-Dist: {pinned}"
+        metadata.write_text("\n".join(lines))
+        print(f"pagedkv: the wheel requires {pinned}, the torch its kernels were built against", file=sys.stderr)
 
 
 def extension(library: str, variant: str, march: str, sources: list[str]) -> Extension:
@@ -147,4 +172,7 @@ def extension(library: str, variant: str, march: str, sources: list[str]) -> Ext
     return ext
 
 
-setup(ext_modules=[extension(*spec) for spec in LIBRARIES], cmdclass={"build_ext": build_ext})
+setup(
+    ext_modules=[extension(*spec) for spec in LIBRARIES],
+    cmdclass={"build_ext": build_ext, "bdist_wheel": bdist_wheel},
+)
