@@ -69,3 +69,17 @@ def test_a_prompt_always_progresses():
     assert budget.chunk(prompt, 8500) == 1
     budget.spend(prompt, 8500, 1)
     assert budget.left < 0 and budget.chunk(prompt, 8501) == 0  # spent: nothing more this step
+
+
+def test_prompts_share_the_step_while_requests_decode():
+    """A prompt arriving while a long one is cut into chunks is admitted with its part of the budget, not
+    with what the long one left (0-1 tokens a step: its first token waited for the long prefill)."""
+    long = request(2000)
+    long.num_computed_tokens = 256  # one context step in: alone it would take 64 x 2048 // 2304 = 56
+    budget = FAIR.prefill_budget([decoding(), long], admissible=True)
+    assert budget.chunk(long, 256) == 32 * 2048 // 2304
+    budget.spend(long, 256, 28)
+    arriving = request(200)
+    assert budget.chunk(arriving, 0) == 32  # what is left, within its part
+    assert FAIR.prefill_budget([decoding(), long], admissible=False).chunk(long, 256) == 56
+    assert FAIR.prefill_budget([long], admissible=True).chunk(long, 256) == 2048  # nothing decodes: unshared

@@ -40,6 +40,7 @@ class PrefillBudget:
 
     left: int
     weigh_context: bool  # requests decode: a row's cost grows with the context before its chunk
+    cap: int | None = None  # the most one prompt may take: prompts share a step while requests decode
 
     def _row_cost(self, request: Request, start: int) -> int:
         """A prompt row's cost from position ``start`` on, in 1/CONTEXT_TOKENS_PER_ROW plain rows."""
@@ -49,9 +50,10 @@ class PrefillBudget:
     def chunk(self, request: Request, start: int) -> int:
         """The most prompt tokens of ``request`` from position ``start`` whose cost fits in what is left (at
         least one while anything is left, so a prompt progresses under any budget)."""
-        if self.left <= 0:
+        left = self.left if self.cap is None else min(self.left, self.cap)
+        if left <= 0:
             return 0
-        return max(self.left * CONTEXT_TOKENS_PER_ROW // self._row_cost(request, start), 1)
+        return max(left * CONTEXT_TOKENS_PER_ROW // self._row_cost(request, start), 1)
 
     def spend(self, request: Request, start: int, num_new: int) -> None:
         """Take a chunk of ``num_new`` prompt tokens from position ``start`` (rounded up to whole rows)."""
@@ -65,7 +67,7 @@ class FairShare:
     max_seqs_per_group: int  # seats one request's n samples hold while others wait
     max_prefill_tokens_with_decodes: int
 
-    def prefill_budget(self, running: Iterable[Request]) -> PrefillBudget:
+    def prefill_budget(self, running: list[Request], admissible: bool = False) -> PrefillBudget:
         """Prompt tokens this step may compute (scored rows weigh more, see ``SCORED_ROW_COST``, and while
         requests decode, rows far into a prompt do too, see ``CONTEXT_TOKENS_PER_ROW``).
 
@@ -79,15 +81,18 @@ class FairShare:
         prompt's start to 7,000 tokens in (on 2 busy cores, wall time: 256: 0.4 s, 2,040: 3-15 s). With
         nothing decoding, prompts take the whole budget, unweighed: no stream waits for that step.
 
-        Running prompts take the budget first, in admission order, and waiting requests get what is left: a
-        second prompt arriving while a long one is cut into chunks beside decodes is admitted on rounding
-        leftovers (often 0-1 tokens a step), so its first token waits for the first prompt's prefill.
+        While requests decode, the prompts share that budget: each running prompt, and the waiting requests
+        together when one may be admitted (``admissible``: a seat is free), take at most an equal part of it.
+        Running prompts took it first, in admission order, before: a 200-token prompt arriving while a
+        2,000-token prompt was cut into chunks beside a stream was admitted on rounding leftovers (0-1 tokens
+        a step) and got its first token after 13.3 s, when the first prompt's prefill ended.
         """
         decoding = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
         if not decoding:
             return PrefillBudget(self.max_num_batched_tokens, weigh_context=False)
-        left = min(self.max_prefill_tokens_with_decodes, self.max_num_batched_tokens - decoding)
-        return PrefillBudget(max(0, left), weigh_context=True)
+        left = max(0, min(self.max_prefill_tokens_with_decodes, self.max_num_batched_tokens - decoding))
+        prompts = sum(1 for r in running if r.num_tokens - r.num_computed_tokens > 1) + admissible
+        return PrefillBudget(left, weigh_context=True, cap=-(-left // prompts) if prompts > 1 else None)
 
     def seats_to_reclaim(self, running: list[Request], waiting: Iterable[Request]) -> list[Request]:
         """The newest samples of requests holding more than ``max_seqs_per_group`` seats, as many as the

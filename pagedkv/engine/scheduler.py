@@ -108,7 +108,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self._reclaim_seats()
         budget = self.max_num_batched_tokens
-        prefill = self.fair.prefill_budget(self.running)
+        prefill = self.fair.prefill_budget(self.running, bool(self.waiting) and len(self.running) < self.max_num_seqs)
         scheduled: list[ScheduledRequest] = []
         preempted = 0
         i = 0
