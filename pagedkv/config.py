@@ -57,8 +57,9 @@ class EngineConfig:
     max_prefill_tokens_with_decodes: int = _option(
         64,
         "most prompt tokens in one step while any request decodes (prompts are cut into smaller chunks then): "
-        "every stream waits for the whole step, ~0.2-0.45 s at 64 on the default model on one core (more as the "
-        "prompt's context grows), ~6 s at 2,048",
+        "every stream waits for the whole step, ~0.2-0.45 s at 64 on the default model on one core, ~6 s at "
+        "2,048; a row deeper into its prompt costs more of it (engine/admission.py), so chunks shrink as the "
+        "context grows and a step's time stays about level",
     )
     max_seq_share_per_request: float = _option(
         0.5,
