@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import socket
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from pagedkv.entrypoints.cli import build_parser
 from pagedkv.entrypoints.connections import ConnectionLimits, fit_fd_limit, uvicorn_options
 from pagedkv.entrypoints.openai_server import build_app
 from tests.live_server import live_server, wait_idle
+from tests.victim_stream import VictimStream
 
 LIMITS = ConnectionLimits(
     header_timeout_s=3.0,
@@ -92,41 +92,6 @@ def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "the server did not get there in time"
         time.sleep(0.02)
-
-
-class Victim(threading.Thread):
-    """A greedy chat stream that notes when each event arrives; ``decoding`` is set once its prompt is
-    processed (a few tokens came), so that an attack starts on its decode steps, not on its prefill."""
-
-    def __init__(self, base_url: str) -> None:
-        super().__init__()
-        self.base_url = base_url
-        self.times: list[float] = []
-        self.decoding = threading.Event()
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        body = {"messages": VICTIM, "max_tokens": VICTIM_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
-        try:
-            with httpx.stream("POST", self.base_url + "/v1/chat/completions", json=body, timeout=120) as resp:
-                assert resp.status_code == 200
-                for line in resp.iter_lines():
-                    if line.startswith("data: {"):
-                        self.times.append(time.monotonic())
-                        if len(self.times) == 4:
-                            self.decoding.set()
-        except BaseException as exc:  # noqa: BLE001 - reported by check()
-            self.error = exc
-        self.decoding.set()
-
-    def check(self) -> None:
-        """Finished, and no gap between two events above 3x the median gap + 0.5 s (issue 25's target)."""
-        self.join(120)
-        assert self.error is None and not self.is_alive()
-        gaps = [b - a for a, b in zip(self.times, self.times[1:], strict=False)]
-        assert len(gaps) > VICTIM_TOKENS // 2
-        median = statistics.median(gaps)
-        assert max(gaps) <= 3 * median + 0.5, f"largest gap {max(gaps):.2f} s, median {median:.3f} s"
 
 
 @pytest.mark.slow
@@ -205,7 +170,7 @@ def test_large_bodies_do_not_stall_a_stream(server):
                 statuses.append(resp.status_code)
                 refusals.append(resp.json()["error"]["message"])
 
-    victim = Victim(base_url)
+    victim = VictimStream(base_url, VICTIM, VICTIM_TOKENS)
     victim.start()
     assert victim.decoding.wait(60)
     attackers = [threading.Thread(target=attacker, args=(f"127.0.3.{i}",)) for i in range(6)]
@@ -213,7 +178,7 @@ def test_large_bodies_do_not_stall_a_stream(server):
         thread.start()
     for thread in attackers:
         thread.join(60)
-    victim.check()
+    victim.check_pace()
     assert sorted(statuses) == [400] * 6 + [413] * 12
     assert sum("(--max-json-values)" in message for message in refusals) == 12
     assert wait_idle(app)["kv_blocks_used"] == 0
@@ -245,7 +210,7 @@ def test_a_crowd_on_kv_json_does_not_stall_a_stream(server, monkeypatch):
     read_engine = kv_page.read_engine
     monkeypatch.setattr(kv_page, "read_engine", counted)
 
-    victim = Victim(base_url)
+    victim = VictimStream(base_url, VICTIM, VICTIM_TOKENS)
     victim.start()
     assert victim.decoding.wait(60)
     started = time.monotonic()
@@ -254,7 +219,7 @@ def test_a_crowd_on_kv_json_does_not_stall_a_stream(server, monkeypatch):
         with sock:
             answers += read_until_closed(sock).count(b"HTTP/1.1 200 OK")
     elapsed = time.monotonic() - started
-    victim.check()
+    victim.check_pace()
     assert answers == 200
     assert len(snapshots) <= elapsed / kv_page.KV_JSON_MAX_AGE_S + 2, "one rendering serves a whole refresh period"
     assert wait_idle(app)["kv_blocks_used"] == 0

@@ -27,8 +27,8 @@ import pytest
 from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.entrypoints.openai_server import build_app
-from pagedkv.sampling import SamplingParams
 from tests.live_server import live_server, wait_idle
+from tests.victim_stream import VictimStream, greedy_text
 
 pytestmark = pytest.mark.slow
 
@@ -61,16 +61,7 @@ def engine() -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def victim_reference(engine: LLMEngine) -> str:
-    """The victim's greedy text alone on the engine."""
-    request_id = engine.add_request(
-        prompt_token_ids=engine.apply_chat_template(VICTIM),
-        params=SamplingParams(max_tokens=VICTIM_TOKENS, temperature=0, ignore_eos=True),
-    )
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished and output.request_id == request_id:
-                text = output.text
-    return text
+    return greedy_text(engine, VICTIM, VICTIM_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -80,52 +71,17 @@ def server(engine: LLMEngine, victim_reference: str):
         yield app, base_url
 
 
-class Victim(threading.Thread):
-    """A greedy chat stream that notes when each event arrives and what text it got; ``decoding`` is set
-    once a few tokens came, so that an attack starts on its decode steps, not on its prefill."""
-
-    def __init__(self, base_url: str) -> None:
-        super().__init__()
-        self.base_url = base_url
-        self.times: list[float] = []
-        self.text: list[str] = []
-        self.decoding = threading.Event()
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        body = {"messages": VICTIM, "max_tokens": VICTIM_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
-        try:
-            with httpx.stream("POST", self.base_url + CHAT, json=body, timeout=120) as resp:
-                assert resp.status_code == 200
-                for line in resp.iter_lines():
-                    if line.startswith("data: {"):
-                        self.times.append(time.monotonic())
-                        for choice in json.loads(line.removeprefix("data: "))["choices"]:
-                            self.text.append(choice["delta"].get("content") or "")
-                        if len(self.times) == 4:
-                            self.decoding.set()
-        except BaseException as exc:  # noqa: BLE001 - reported by finish()
-            self.error = exc
-        self.decoding.set()
-
-    def finish(self) -> list[float]:
-        """The gaps between its events, once the stream finished."""
-        self.join(120)
-        assert self.error is None and not self.is_alive()
-        return [b - a for a, b in zip(self.times, self.times[1:], strict=False)]
-
-
-def replay(server, victim_reference: str, name: str, attack: Callable[[str, Victim], None]) -> None:
+def replay(server, victim_reference: str, name: str, attack: Callable[[str, VictimStream], None]) -> None:
     """Run ``attack(base_url, victim)`` while a victim streams; the victim's text and pace hold, and
     afterwards no request or block is held."""
     app, base_url = server
-    victim = Victim(base_url)
+    victim = VictimStream(base_url, VICTIM, VICTIM_TOKENS)
     victim.start()
     assert victim.decoding.wait(60)
     started = time.monotonic()
     attack(base_url, victim)
     ended = time.monotonic()
-    gaps = victim.finish()
+    gaps = victim.gaps()
     assert len(gaps) > VICTIM_TOKENS // 2
     largest, median = max(gaps), statistics.median(gaps)
     bound = 3 * median + 0.5
@@ -146,7 +102,7 @@ def test_n_128_leaves_seats_to_the_victim_and_a_later_client(server, victim_refe
     engine = app.state.async_engine.engine
     first_token_s: list[float] = []
 
-    def attack(base_url: str, victim: Victim) -> None:
+    def attack(base_url: str, victim: VictimStream) -> None:
         body = {"prompt": "Write a long story.", "n": 128, "max_tokens": 3000, "temperature": 1.0, "seed": 1}
         events = threading.Event()
         stop = threading.Event()
@@ -189,7 +145,7 @@ def test_a_long_prompt_leaves_the_victim_short_steps_and_a_later_prompt_its_part
     engine = app.state.async_engine.engine
     first_token_s: list[float] = []
 
-    def attack(base_url: str, victim: Victim) -> None:
+    def attack(base_url: str, victim: VictimStream) -> None:
         def long() -> None:
             body = {"prompt": random_prompt(LONG_PROMPT_TOKENS, seed=1), "max_tokens": 1}
             resp = httpx.post(base_url + COMPLETIONS, json=body, timeout=120)
@@ -224,7 +180,7 @@ def test_a_chat_with_128_tools_leaves_the_victim_short_steps(server, victim_refe
     app, _ = server
     engine = app.state.async_engine.engine
 
-    def attack(base_url: str, victim: Victim) -> None:
+    def attack(base_url: str, victim: VictimStream) -> None:
         body = {"messages": [{"role": "user", "content": "Which tool?"}], "tools": tools(128), "max_tokens": 1}
         client = httpx.Client(timeout=120)
         request = client.build_request("POST", base_url + CHAT, json=body | {"stream": True})
@@ -245,7 +201,7 @@ def test_a_chat_with_128_tools_leaves_the_victim_short_steps(server, victim_refe
 
 
 def test_echo_scoring_a_long_prompt_leaves_the_victim_short_steps(server, victim_reference):
-    def attack(base_url: str, victim: Victim) -> None:
+    def attack(base_url: str, victim: VictimStream) -> None:
         prompt = random_prompt(SCORED_PROMPT_TOKENS, seed=2)
         body = {"prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 0}
         resp = httpx.post(base_url + COMPLETIONS, json=body, timeout=120)

@@ -21,8 +21,8 @@ from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.entrypoints.limits import ServerLimits
 from pagedkv.entrypoints.openai_server import build_app
-from pagedkv.sampling import SamplingParams
 from tests.live_server import live_server, wait_idle
+from tests.victim_stream import greedy_text
 
 pytestmark = pytest.mark.slow
 
@@ -150,15 +150,7 @@ def engine() -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def victim_reference(engine: LLMEngine) -> str:
-    request_id = engine.add_request(
-        prompt_token_ids=engine.apply_chat_template(VICTIM),
-        params=SamplingParams(max_tokens=VICTIM_TOKENS, temperature=0, ignore_eos=True),
-    )
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished and output.request_id == request_id:
-                text = output.text
-    return text
+    return greedy_text(engine, VICTIM, VICTIM_TOKENS)
 
 
 @pytest.fixture(scope="module")

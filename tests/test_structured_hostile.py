@@ -14,7 +14,6 @@ held afterwards and the engine goes on serving.
 from __future__ import annotations
 
 import json
-import statistics
 import threading
 import time
 
@@ -25,6 +24,7 @@ from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.entrypoints.openai_server import build_app
 from tests.live_server import live_server, wait_idle
+from tests.victim_stream import VictimStream
 
 pytestmark = pytest.mark.slow
 
@@ -173,44 +173,6 @@ def test_specs_at_the_edge_of_the_limits_are_served(server):
     assert_serving_and_idle(app, base_url)
 
 
-class Victim(threading.Thread):
-    """A greedy chat stream that notes when each event arrives and what text it got; ``decoding`` is set
-    once a few tokens came, so that an attack starts on its decode steps, not on its prefill."""
-
-    def __init__(self, base_url: str) -> None:
-        super().__init__()
-        self.base_url = base_url
-        self.times: list[float] = []
-        self.text: list[str] = []
-        self.decoding = threading.Event()
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        body = {"messages": VICTIM, "max_tokens": VICTIM_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
-        try:
-            with httpx.stream("POST", self.base_url + CHAT, json=body, timeout=120) as resp:
-                assert resp.status_code == 200
-                for line in resp.iter_lines():
-                    if line.startswith("data: {"):
-                        self.times.append(time.monotonic())
-                        chunk = json.loads(line.removeprefix("data: "))
-                        for choice in chunk["choices"]:
-                            self.text.append(choice["delta"].get("content") or "")
-                        if len(self.times) == 4:
-                            self.decoding.set()
-        except BaseException as exc:  # noqa: BLE001 - reported by gaps()
-            self.error = exc
-        self.decoding.set()
-
-    def gaps(self) -> tuple[float, float]:
-        """(largest gap between two events, median gap), once the stream finished."""
-        self.join(120)
-        assert self.error is None and not self.is_alive()
-        gaps = [b - a for a, b in zip(self.times, self.times[1:], strict=False)]
-        assert len(gaps) > VICTIM_TOKENS // 2
-        return max(gaps), statistics.median(gaps)
-
-
 def slowed_compiles(monkeypatch, compiler, delay_s: float) -> list[float]:
     """Make every compile of ``compiler`` take ``delay_s`` longer (sleeping, which drops the GIL as
     llguidance does); returns the list the start time of each compile is appended to."""
@@ -228,9 +190,9 @@ def slowed_compiles(monkeypatch, compiler, delay_s: float) -> list[float]:
 
 def test_large_schemas_compiling_do_not_stall_a_stream(server, monkeypatch):
     app, base_url = server
-    alone = Victim(base_url)
+    alone = VictimStream(base_url, VICTIM, VICTIM_TOKENS)
     alone.start()
-    alone_max, alone_median = alone.gaps()
+    alone_max, alone_median = alone.largest_and_median_gap()
     starts = slowed_compiles(monkeypatch, app.state.async_engine.engine.grammars, SLOW_COMPILE_S)
     schemas = [large_schema(seed) for seed in range(8)]
     assert all(50_000 < len(json.dumps(s)) < 60_000 for s in schemas) and len({json.dumps(s) for s in schemas}) == 8
@@ -240,7 +202,7 @@ def test_large_schemas_compiling_do_not_stall_a_stream(server, monkeypatch):
         body = {"prompt": "Answer as JSON:", "max_tokens": 6, "temperature": 0, "response_format": json_schema(schema)}
         statuses.append(httpx.post(base_url + COMPLETIONS, json=body, timeout=60).status_code)
 
-    victim = Victim(base_url)
+    victim = VictimStream(base_url, VICTIM, VICTIM_TOKENS)
     victim.start()
     assert victim.decoding.wait(60)
     attackers = [threading.Thread(target=attacker, args=(schema,)) for schema in schemas]
@@ -248,7 +210,7 @@ def test_large_schemas_compiling_do_not_stall_a_stream(server, monkeypatch):
         thread.start()
     for thread in attackers:
         thread.join(60)
-    largest, median = victim.gaps()
+    largest, median = victim.largest_and_median_gap()
     compiling = starts[-1] - starts[0] + SLOW_COMPILE_S
     print(  # the measured numbers, for -s
         f"victim alone: largest gap {alone_max:.3f} s, median {alone_median:.3f} s; with 8 compiles: "
