@@ -40,7 +40,7 @@ GEMM = [f"{CSRC}/panel_linear.cpp"]
 HEADERS = [f"{CSRC}/simd.h"]
 # The JIT build's flags (pagedkv/kernels.py) with -march fixed per variant; -g0 against the build
 # environment's -g (debug info would make the libraries several times larger).
-CFLAGS = ["-O3", "-fopenmp", "-g0"]
+CFLAGS = ["-O3", "-mtune=generic", "-fopenmp", "-g0"]
 LDFLAGS = ["-fopenmp"]
 # (library, variant, -march, sources)
 LIBRARIES = [

@@ -48,7 +48,11 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 ENV_VAR = "PAGEDKV_KERNELS"
-CFLAGS = ("-O3", "-march=native", "-fopenmp")  # no -ffast-math: the kernels rely on -inf (empty softmax max)
+# No -ffast-math: the kernels rely on -inf (empty softmax max). -mtune=generic: -march=native also tunes for the
+# CPU, and on AMD's Zen that splits `acc += v * v` into a multiply and an add where generic tuning fuses it --
+# last bits that would differ from the wheel's libraries (built for x86-64-v3 / v4, tuned generically) and from
+# one CPU to another; the same tuning everywhere gives the same bits.
+CFLAGS = ("-O3", "-march=native", "-mtune=generic", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 VARIANT_ENV = "PAGEDKV_KERNEL_VARIANT"
 VARIANTS = ("v4", "v3", "jit", "none")  # prebuilt for x86-64-v4 / -v3, compiled here on first use, torch's ops
