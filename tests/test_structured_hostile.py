@@ -278,3 +278,18 @@ def test_the_same_spec_compiles_once(server, monkeypatch):
     assert [httpx.post(base_url + COMPLETIONS, json=bad, timeout=60).status_code for _ in range(2)] == [400] * 2
     assert len(starts) == 2  # a refusal is cached too
     assert_serving_and_idle(app, base_url)
+
+
+def test_serve_options_size_the_grammar_pool(engine):
+    """--grammar-compile-threads and --grammar-compile-timeout-s reach the pool the server compiles on."""
+    from pagedkv.entrypoints.cli import build_parser
+    from pagedkv.entrypoints.limits import ServerLimits
+
+    args = build_parser().parse_args(["serve", "--grammar-compile-threads", "2", "--grammar-compile-timeout-s", "2.5"])
+    limits = ServerLimits.from_args(args)
+    pool = build_app(engine, "smol", limits=limits).state.async_engine.tokenizer.grammars
+    assert pool.timeout_s == 2.5 and pool._pool._max_workers == 2
+    default = build_app(engine, "smol").state.async_engine.tokenizer.grammars
+    assert default.timeout_s == ServerLimits().grammar_compile_timeout_s and default._pool._max_workers == 1
+    with pytest.raises(ValueError, match="grammar_compile_timeout_s"):
+        ServerLimits(grammar_compile_timeout_s=0)

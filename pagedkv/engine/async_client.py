@@ -28,6 +28,7 @@ from pagedkv.engine.core_thread import (
     InspectCommand,
     RequestFailed,
 )
+from pagedkv.engine.grammar_pool import GrammarPool
 from pagedkv.engine.metrics import ServerMetrics
 from pagedkv.engine.output_processor import Stop
 from pagedkv.engine.prompts import EnginePrompt
@@ -77,11 +78,13 @@ class EngineOverloaded(Exception):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_queued_seqs: int | None = None) -> None:
+    def __init__(
+        self, engine: LLMEngine, max_queued_seqs: int | None = None, grammars: GrammarPool | None = None
+    ) -> None:
         self.engine = engine
         self.max_queued_seqs = max_queued_seqs
         self.metrics = ServerMetrics(self.stats)
-        self.tokenizer = TokenizerWorker(engine, self._processed)
+        self.tokenizer = TokenizerWorker(engine, self._processed, grammars)
         self.failed = False  # the engine thread died: the server must exit (non-zero) to be restarted
         self.on_death: Callable[[], None] | None = None
         self._thread: EngineThread | None = None

@@ -38,14 +38,19 @@ logger = logging.getLogger(__name__)
 
 
 class TokenizerWorker:
-    def __init__(self, engine: LLMEngine, done: Callable[[list[RequestOutput], list[Stop]], None]) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        done: Callable[[list[RequestOutput], list[Stop]], None],
+        grammars: GrammarPool | None = None,
+    ) -> None:
         self._engine = engine  # only its fixed settings are read here (make_requests)
         self._done = done  # called on the worker with each step's outputs and stop strings
         self._tokenizer = copy.deepcopy(engine.tokenizer)
         self.processor = OutputProcessor(self._tokenizer)  # touched on the worker thread only
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedkv-tokenizer")
         self._token_texts: Future[list[str]] | None = None
-        self.grammars = GrammarPool(engine.grammars)
+        self.grammars = grammars or GrammarPool(engine.grammars)  # compiles off this thread (issue 25 row 3)
 
     async def prepare(
         self,

@@ -59,6 +59,14 @@ class ServerLimits:
     stream_stall_timeout_s: float = _limit_field(
         30.0, "seconds a streaming client may read nothing before its request is aborted"
     )
+    grammar_compile_threads: int = _limit_field(
+        1, "threads compiling structured-output specs, apart from the engine and stream delivery"
+    )
+    grammar_compile_timeout_s: float = _limit_field(
+        10.0,
+        "seconds a structured-output spec may wait for a compile thread (then 503 + Retry-After) and then "
+        "compile (then a 400 naming the field; the compile finishes and is cached)",
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -32,6 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedkv.engine.async_client import AsyncEngine
+from pagedkv.engine.grammar_pool import GrammarPool
 from pagedkv.engine.metrics import ServerMetrics
 from pagedkv.entrypoints.connections import ConnectionLimits, fit_fd_limit, uvicorn_options
 from pagedkv.entrypoints.kv_page import KV_PATHS, KVAuthRequired, add_kv_routes, basic_auth_matches
@@ -226,7 +227,8 @@ def build_app(
     """
     limits = limits or ServerLimits()
     model_name = served_model_name or Path(str(engine.model_path)).name
-    async_engine = AsyncEngine(engine, limits.max_queued_seqs)
+    grammars = GrammarPool(engine.grammars, limits.grammar_compile_threads, limits.grammar_compile_timeout_s)
+    async_engine = AsyncEngine(engine, limits.max_queued_seqs, grammars)
     metrics = async_engine.metrics
     ctx = ServingContext(async_engine, model_name, limits, template_supports_tools(engine.tokenizer))
     max_model_len = engine.max_model_len
