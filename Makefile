@@ -5,7 +5,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test test-browser test-ray test-gemma3 lint bench setup clean wheel test-wheel
+.PHONY: run test test-browser test-ray test-gemma3 lint bench setup clean wheel test-wheel docker
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -69,6 +69,10 @@ wheel: $(STAMP)
 # Installs that wheel into a fresh venv with no compiler reachable and runs the default model there (minutes).
 test-wheel: $(STAMP)
 	PAGEDKV_TEST_WHEEL=1 $(BIN)/python -m pytest -q -rs tests/test_wheel.py
+
+# A CPU image serving the default model from that wheel (Dockerfile; needs a container daemon and the network).
+docker: wheel
+	docker build -t pagedkv .
 
 lint: $(STAMP)
 	$(BIN)/ruff check pagedkv tests benchmarks run.py
