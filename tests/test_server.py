@@ -346,7 +346,15 @@ def test_metrics_parse_and_prefix_cache_counters_move(server, client):
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_blocks_used"):
         assert ("pagedkv:" + gauge, ()) in after
     assert delta("spec_decode_draft_tokens_total") == 0  # exported; this server runs without drafts
-    assert after[("pagedkv:inter_token_latency_seconds_count", ())] > 0
+    # a request answered in one piece has no inter-token gap; a stream of 3 tokens has two
+    assert delta("inter_token_latency_seconds_count") == 0
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=3, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    assert sum(1 for chunk in stream if chunk.choices and chunk.choices[0].delta.content) == 3
+    streamed = metric_samples(server[1])
+    key = ("pagedkv:inter_token_latency_seconds_count", ())
+    assert streamed[key] - after[key] == 2
 
 
 def test_logprobs_and_n(client):
