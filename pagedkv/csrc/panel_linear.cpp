@@ -455,6 +455,23 @@ PAGEDKV_INLINE void prefetch(const uint8_t* unit, int64_t bytes) {
 template <int F>
 constexpr int64_t kStepUnits = Spec<F>::kUnit == 1 ? 8 : 1;
 
+// A chunk of `units` units at `unit`, walked a step at a time by both register kernels: prefetch, then
+// step(u, n) on the step's n units, the R rows' x pointers moved past it; the rest of a float format's last
+// chunk (K not a multiple of 8) is one shorter step.
+template <int F, int R, class Step>
+PAGEDKV_INLINE void walk_chunk(const uint8_t* unit, int64_t units, const float* (&xs)[R], Step&& step) {
+  using S = Spec<F>;
+  constexpr int64_t kStep = kStepUnits<F>;
+  int64_t left = units;
+  for (; left >= kStep; left -= kStep, unit += kStep * S::kBytes) {
+    prefetch(unit, kStep * S::kBytes);
+    step(unit, kStep);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) xs[r] += kStep * S::kUnit;
+  }
+  if (left > 0) step(unit, left);
+}
+
 // -- AVX2: a panel's 16 outputs are two registers, [0] (outputs 0-7) and [1] (8-15).
 
 // acc[r] += x[r][k] * w for R rows at one k, row r's x at x[r].
@@ -515,14 +532,7 @@ PAGEDKV_INLINE void chunk_avx2(const uint8_t* unit, int64_t units, const float* 
       walk.template operator()<0b11>(u, n);
     }
   };
-  int64_t left = units;
-  for (; left >= kStep; left -= kStep, unit += kStep * S::kBytes) {
-    prefetch(unit, kStep * S::kBytes);
-    step(unit, kStep);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) xs[r] += kStep * S::kUnit;
-  }
-  if (left > 0) step(unit, left);  // the rest of a float format's last chunk, K not a multiple of 8
+  walk_chunk<F, R>(unit, units, xs, step);
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
@@ -679,14 +689,7 @@ PAGEDKV_AVX512 PAGEDKV_INLINE void chunk_avx512(const uint8_t* unit, int64_t uni
       if (n % 2 != 0) add(2 * (n / 2));
     }
   };
-  int64_t left = units;
-  for (; left >= kStep; left -= kStep, unit += kStep * S::kBytes) {
-    prefetch(unit, kStep * S::kBytes);
-    step(unit, kStep);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) xs[r] += kStep * S::kUnit;
-  }
-  if (left > 0) step(unit, left);
+  walk_chunk<F, R>(unit, units, xs, step);
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) out[r] = _mm512_add_ps(acc[0][r], acc[1][r]);
 }
