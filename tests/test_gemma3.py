@@ -24,13 +24,13 @@ import logging
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
 from pagedkv import LLM, SamplingParams, kernels
 from pagedkv.attention.paged import KernelAttention
 from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.spec import ModelSpec, UnsupportedModelError
+from tests.hf_reference import check_against_hf, hf_logits, random_prompt, save_with_word_tokenizer
 
 TOL = 1e-4
 WINDOW = 8
@@ -85,13 +85,8 @@ def pair() -> tuple[torch.nn.Module, LlamaForCausalLM]:
     return hf, ours
 
 
-def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([tokens])).logits[0]
-
-
 def _prompt(seed: int, length: int) -> list[int]:
-    return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return random_prompt(seed, length, VOCAB)
 
 
 def test_spec_reads_every_gemma_field(pair):
@@ -109,7 +104,7 @@ def test_prefill_logits_match_hf(pair, paged_harness, length, block_size):
     hf, ours = pair
     prompt = _prompt(length, length)
     (logits,) = paged_harness(ours, block_size).step([("a", prompt)])
-    torch.testing.assert_close(logits, _hf_logits(hf, prompt), atol=TOL, rtol=0)
+    torch.testing.assert_close(logits, hf_logits(hf, prompt), atol=TOL, rtol=0)
 
 
 def test_the_window_changes_the_logits(pair, paged_harness):
@@ -121,7 +116,7 @@ def test_the_window_changes_the_logits(pair, paged_harness):
         layer.self_attn.window = 0
     prompt = _prompt(1, 3 * WINDOW)
     (logits,) = paged_harness(full, 4).step([("a", prompt)])
-    reference = _hf_logits(hf, prompt)
+    reference = hf_logits(hf, prompt)
     assert (logits[:WINDOW] - reference[:WINDOW]).abs().max() < TOL  # within the window: the same
     assert (logits[WINDOW:] - reference[WINDOW:]).abs().max() > 100 * TOL
 
@@ -132,7 +127,7 @@ def test_chunked_prefill_matches_hf(pair, paged_harness):
     prompt = _prompt(2, 41)
     harness = paged_harness(ours, block_size=4, seed=3)
     chunks = [harness.step([("a", part)])[0] for part in (prompt[:3], prompt[3:11], prompt[11:12], prompt[12:])]
-    torch.testing.assert_close(torch.cat(chunks), _hf_logits(hf, prompt), atol=TOL, rtol=0)
+    torch.testing.assert_close(torch.cat(chunks), hf_logits(hf, prompt), atol=TOL, rtol=0)
 
 
 def test_mixed_step_matches_hf(pair, paged_harness):
@@ -143,7 +138,7 @@ def test_mixed_step_matches_hf(pair, paged_harness):
     mixed.step([("a", a[:-1]), ("b", b[:-1]), ("c", c[:12])])
     got = mixed.step([("a", a[-1:]), ("b", b[-1:]), ("c", c[12:]), ("d", d)])
     for mine, tokens in zip(got, (a, b, c, d), strict=True):
-        torch.testing.assert_close(mine, _hf_logits(hf, tokens)[-len(mine) :], atol=TOL, rtol=0)
+        torch.testing.assert_close(mine, hf_logits(hf, tokens)[-len(mine) :], atol=TOL, rtol=0)
 
 
 def test_greedy_decode_matches_hf_generate(pair, paged_harness):
@@ -185,10 +180,10 @@ def test_kernel_backend_matches_hf_and_skips_the_decoder_stack(pair, paged_harne
         first = harness.step([("a", a[:10]), ("b", b)])
     assert "run as modules" in caplog.text and model._stack is False
     second = harness.step([("a", a[10:]), ("b", [7])])
-    torch.testing.assert_close(first[0], _hf_logits(hf, a[:10]), atol=TOL, rtol=0)
-    torch.testing.assert_close(first[1], _hf_logits(hf, b), atol=TOL, rtol=0)
-    torch.testing.assert_close(second[0], _hf_logits(hf, a)[10:], atol=TOL, rtol=0)
-    torch.testing.assert_close(second[1], _hf_logits(hf, b + [7])[-1:], atol=TOL, rtol=0)
+    torch.testing.assert_close(first[0], hf_logits(hf, a[:10]), atol=TOL, rtol=0)
+    torch.testing.assert_close(first[1], hf_logits(hf, b), atol=TOL, rtol=0)
+    torch.testing.assert_close(second[0], hf_logits(hf, a)[10:], atol=TOL, rtol=0)
+    torch.testing.assert_close(second[1], hf_logits(hf, b + [7])[-1:], atol=TOL, rtol=0)
 
 
 # -- the whole engine: a checkpoint on disk, chunked prefill, batches and prefix-cache hits --------------------
@@ -196,28 +191,7 @@ def test_kernel_backend_matches_hf_and_skips_the_decoder_stack(pair, paged_harne
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, pair) -> str:
-    hf, _ = pair
-    directory = tmp_path_factory.mktemp("tiny-gemma3")
-    hf.save_pretrained(directory)
-    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0").save_pretrained(directory)
-    return str(directory)
-
-
-def _hf_logprobs(hf, sequence: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return torch.log_softmax(hf(torch.tensor([sequence])).logits[0].double(), dim=-1)
-
-
-def _check_against_hf(hf, prompts: list[list[int]], outputs) -> None:
-    for prompt, output in zip(prompts, outputs, strict=True):
-        tokens = output.outputs[0].token_ids
-        reference = _hf_logprobs(hf, prompt + tokens)
-        for step, token in enumerate(tokens):
-            row = reference[len(prompt) + step - 1]
-            assert token == row.argmax().item(), (step, token)
-            assert abs(output.outputs[0].logprobs[step] - row[token].item()) <= TOL
+    return save_with_word_tokenizer(pair[0], tmp_path_factory.mktemp("tiny-gemma3"))
 
 
 @pytest.mark.parametrize("backend", ["gather", "kernel"])
@@ -239,9 +213,9 @@ def test_engine_greedy_and_logprobs_match_hf_with_chunks_and_prefix_hits(pair, c
     prompts = [_prompt(20, 5), _prompt(21, WINDOW), _prompt(22, 3 * WINDOW), _prompt(23, 45)]
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=1, ignore_eos=True)
     cold = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    _check_against_hf(hf, prompts, cold)
+    check_against_hf(hf, prompts, cold)
     warm = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    _check_against_hf(hf, prompts, warm)
+    check_against_hf(hf, prompts, warm)
     assert [o.outputs[0].token_ids for o in warm] == [o.outputs[0].token_ids for o in cold]
     assert warm[3].num_cached_tokens >= 40  # the long prompt's full blocks came from the cache
     llm.engine.close()
