@@ -63,7 +63,7 @@ class LLMEngine:
             self.workers = workers.start(config, config.model or default_model_path())
             weakref.finalize(self, self.workers.close)
             tp = self.workers.tp
-        loaded = load_model(config.model, config.weight_format, self.attention, self.kernels, tp)
+        loaded = load_model(config.model, config.weight_format, self.attention, self.kernels, tp, config.max_model_len)
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config
         self.model_path = loaded.path

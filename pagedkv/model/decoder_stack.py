@@ -12,7 +12,8 @@ kernel and norms, one process. These cost the stack nothing in exactness: it cal
 (``panel_linear_into`` per part, ``add_`` for a bias, torch's ``rms_norm`` and ``mul`` for the q/k norm).
 What runs the modules is what it cannot call from C++ as they do: torch's GEMM (weights left unpacked),
 torch's attention or norms (the gather backend, ``kernels=False``), tensor parallelism (its collectives), and
-layers of another shape (Gemma 3's four norms, GeLU, sliding windows and second RoPE base).
+layers of another shape (Gemma 3's four norms, GeLU, sliding windows and second RoPE base; Phi-4-mini's
+partial rotary).
 """
 
 from __future__ import annotations
@@ -76,10 +77,11 @@ def stack_for(model: nn.Module) -> DecoderStack | None:
     if model.tp.world_size != 1 or not isinstance(model.attention, KernelAttention):
         return None
     spec = model.spec
-    if spec.sandwich_norms or any(spec.layer_windows) or spec.local_rope is not None or spec.activation != "silu":
+    odd_shape = spec.sandwich_norms or any(spec.layer_windows) or spec.local_rope is not None
+    if odd_shape or spec.activation != "silu" or spec.rotary_dim != spec.head_dim:
         logger.info(
-            "%s layers (four norms, windows, two RoPE bases, GeLU) run as modules: the compiled decoder "
-            "stack computes Llama-shaped layers only",
+            "%s layers (four norms, windows, two RoPE bases, GeLU, partial rotary) run as modules: the compiled "
+            "decoder stack computes Llama-shaped layers only",
             spec.model_type,
         )
         return None

@@ -35,7 +35,7 @@ from pagedkv.model import gguf_blocks, gguf_weights, panel
 from pagedkv.model.decoder_stack import DecoderStack, stack_for
 from pagedkv.model.gguf_file import GGUFTensor
 from pagedkv.model.layers import WEIGHT_FORMATS, GatedMLP, Linear, LMHead, RMSNorm, empty_parameter
-from pagedkv.model.rope import RotaryEmbedding, apply_rope
+from pagedkv.model.rope import RotaryEmbedding, rotate_heads
 from pagedkv.model.spec import ModelSpec
 from pagedkv.model.weight_names import weight_targets
 from pagedkv.parallel.group import SINGLE, TensorParallel
@@ -54,6 +54,7 @@ class LlamaAttention(nn.Module):
         self.num_heads = tp.split(spec.num_heads, "query heads")
         self.num_kv_heads = tp.split(spec.num_kv_heads, "KV heads")
         self.head_dim = spec.head_dim
+        self.rotary_dim = spec.rotary_dim
         self.scale = spec.softmax_scale
         self.window = window
         self.attention = attention
@@ -77,7 +78,7 @@ class LlamaAttention(nn.Module):
         qk = qkv[:, :split]
         if self.qk_norm_weight is not None:
             qk = nn.functional.rms_norm(qk, (self.head_dim,), eps=self.eps) * self.qk_norm_weight
-        qk = kernels.rope_(qk, cos, sin) if self.compiled and qk.stride(-1) == 1 else apply_rope(qk, cos, sin)
+        qk = rotate_heads(qk, cos, sin, self.rotary_dim, self.compiled)
         out = self.attention.forward(
             qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, split:], *kv_cache, meta, self.scale, self.window
         )
@@ -121,7 +122,8 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Decoder + LM head. ``weight_format`` (one of ``WEIGHT_FORMATS``) sets the linear layers' (and the
     embedding's) weight dtype; all else is fp32. ``attention`` serves every layer (default: torch's);
-    ``tp``: this process's tensor-parallel shard (default: the whole model)."""
+    ``tp``: this process's tensor-parallel shard (default: the whole model); ``max_model_len``: the engine's limit
+    on the context, if it sets one (it decides longrope's factor set: ``pagedkv.model.rope_scaling``)."""
 
     def __init__(
         self,
@@ -129,9 +131,10 @@ class LlamaForCausalLM(nn.Module):
         weight_format: str = "float32",
         attention: AttentionBackend | None = None,
         tp: TensorParallel = SINGLE,
+        max_model_len: int | None = None,
     ) -> None:
         super().__init__()
-        self.spec = spec = ModelSpec.from_hf_config(hf_config)
+        self.spec = spec = ModelSpec.from_hf_config(hf_config, max_model_len)
         self.tp = tp
         weight_dtype = WEIGHT_FORMATS[weight_format]
         self.attention = attention or TorchAttention()
@@ -146,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens
         # one RoPE table per distinct base: the full-attention layers', then the windowed layers' (Gemma 3)
         ropes = [spec.rope] + ([spec.local_rope] if spec.local_rope is not None else [])
-        self.rotary = nn.ModuleList(RotaryEmbedding(spec.head_dim, spec.max_positions, rope) for rope in ropes)
+        self.rotary = nn.ModuleList(RotaryEmbedding(spec.rotary_dim, spec.max_positions, rope) for rope in ropes)
         self.embed_source: GGUFTensor | None = None  # an untied embedding read from a GGUF file in place
         # all layers in one compiled call where they fit it (model/decoder_stack.py); False runs the modules
         self.fused_layers = True

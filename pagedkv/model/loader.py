@@ -86,12 +86,14 @@ def load_model(
     attention: AttentionBackend | None = None,
     kernels: bool = False,
     tp: TensorParallel = SINGLE,
+    max_model_len: int | None = None,
 ) -> LoadedModel:
     """Model, tokenizer and config from ``path`` (None: the default model), attending through ``attention``.
 
     ``weight_format`` (None: ``"gguf"`` for a GGUF file, else ``"float32"``). ``kernels`` runs norms, SiLU and
     RoPE compiled and the linear layers on the panel GEMM (``pagedkv.model.panel``) where it builds; a GGUF
     file's layers then compute on the file's own codes. ``tp``: load only this tensor-parallel rank's shard.
+    ``max_model_len``: the engine's limit on the context, if any (the model's own otherwise).
     """
     source = Path(path or default_model_path()).expanduser()
     gguf = GGUFFile(source) if is_gguf(source) else None
@@ -105,7 +107,7 @@ def load_model(
             f"weight_format 'gguf' computes on a GGUF file's codes, but {source} is an HF model directory: "
             "use weight_format 'float32' or 'bfloat16'"
         )
-    model = LlamaForCausalLM(config, weight_format, attention, tp)
+    model = LlamaForCausalLM(config, weight_format, attention, tp, max_model_len)
 
     def after_layer(layer: torch.nn.Module) -> None:
         if kernels:

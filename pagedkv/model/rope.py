@@ -9,13 +9,13 @@ concatenate per tensor.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from pagedkv import kernels
+from pagedkv.model.rope_scaling import rope_frequencies
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -28,52 +28,27 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
     params = {**legacy, **(getattr(hf_config, "rope_parameters", None) or {})}  # the newer keys win
     params.setdefault("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0)
     params["rope_type"] = params.get("rope_type", params.get("type")) or "default"
+    original = getattr(hf_config, "original_max_position_embeddings", None)  # Phi-3 keeps it beside the scaling
+    if original is not None and params["rope_type"] != "default":  # and there it wins, as in HF
+        params["original_max_position_embeddings"] = original
     return params
 
 
-def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> Tensor:
-    """``[head_dim / 2]`` fp32 angular frequencies, with linear or Llama-3 context scaling applied."""
-    rope_type = params["rope_type"]
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"rope_type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES}): "
-            "use a model without that RoPE scaling"
-        )
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
-    inv_freq = 1.0 / (float(params["rope_theta"]) ** exponents)
-    if rope_type == "linear":
-        return inv_freq / float(params["factor"])
-    if rope_type == "llama3":
-        return _llama3_scaling(inv_freq, params)
-    return inv_freq
-
-
-def _llama3_scaling(inv_freq: Tensor, params: dict[str, Any]) -> Tensor:
-    """Llama 3.1 scaling: long wavelengths slowed by ``factor``, short ones kept, a smooth blend between.
-
-    Wavelengths are compared to the original training context: below ``context / high_freq_factor`` the
-    frequency is untouched, above ``context / low_freq_factor`` it is divided by ``factor``, and in between
-    the two are mixed linearly in ``context / wavelength``.
-    """
-    factor = float(params["factor"])
-    low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
-    context = float(params["original_max_position_embeddings"])
-    wavelength = 2 * math.pi / inv_freq
-    smooth = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)
-    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    return torch.where(wavelength > context / low, inv_freq / factor, blended)
-
-
 class RotaryEmbedding(torch.nn.Module):
-    """Precomputed ``cos`` and signed ``sin`` tables, ``[max_positions, head_dim]`` each, fp32."""
+    """Precomputed ``cos`` and signed ``sin`` tables, ``[max_positions, rotary_dim]`` each, fp32, already
+    multiplied by the scaling's attention factor (as HF multiplies its cos and sin).
 
-    def __init__(self, head_dim: int, max_positions: int, params: dict[str, Any]) -> None:
+    ``rotary_dim``: how many leading dimensions of each head RoPE rotates (Phi-4-mini's
+    ``partial_rotary_factor`` rotates 3/4 of them; the rest pass through unrotated)."""
+
+    def __init__(self, rotary_dim: int, max_positions: int, params: dict[str, Any]) -> None:
         super().__init__()
-        if head_dim % 2:
-            raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
-        inv_freq = inverse_frequencies(head_dim, params)
+        if rotary_dim % 2:
+            raise ValueError(f"RoPE needs an even number of rotated dimensions, got {rotary_dim}")
+        self.rotary_dim = rotary_dim
+        inv_freq, attention_factor = rope_frequencies(rotary_dim, params, max_positions)
         angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        cos, sin = angles.cos(), angles.sin()
+        cos, sin = angles.cos() * attention_factor, angles.sin() * attention_factor
         self.register_buffer("cos", torch.cat([cos, cos], dim=-1), persistent=False)
         self.register_buffer("sin_signed", torch.cat([-sin, sin], dim=-1), persistent=False)
 
@@ -86,3 +61,16 @@ def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     """Rotate ``x [T, H, D]`` (q and k heads side by side work too); returns a new tensor."""
     rotated = torch.roll(x, shifts=x.shape[-1] // 2, dims=-1)
     return torch.addcmul(x * cos, rotated, sin_signed)
+
+
+def rotate_heads(qk: Tensor, cos: Tensor, sin_signed: Tensor, rotary_dim: int, compiled: bool) -> Tensor:
+    """RoPE on the first ``rotary_dim`` dimensions of every head of ``qk [T, H, D]`` (all of them, but for a partial
+    rotary factor such as Phi-4-mini's: the rest pass unrotated, as in HF); ``compiled``: the C++ kernel rotates
+    them in place (a strided view of each head works). Returns the rotated heads."""
+    rotated = qk if rotary_dim == qk.shape[-1] else qk[..., :rotary_dim]
+    if compiled and rotated.stride(-1) == 1:
+        kernels.rope_(rotated, cos, sin_signed)
+        return qk
+    if rotated is qk:
+        return apply_rope(qk, cos, sin_signed)
+    return torch.cat([apply_rope(rotated, cos, sin_signed), qk[..., rotary_dim:]], dim=-1)

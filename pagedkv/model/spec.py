@@ -6,7 +6,9 @@ class of its own: norms scale by ``1 + w`` (``norm_offset``), the gated MLP uses
 embeddings are multiplied by ``sqrt(hidden)`` (``embed_scale``), q/k norms, the softmax scale comes from
 ``query_pre_attn_scalar`` (``attn_scale``), attention and MLP outputs are normalised too (four norms a layer,
 ``sandwich_norms``), and its layers alternate windowed and full attention (``layer_windows``) with a RoPE
-base of their own for the windowed ones (``local_rope``).
+base of their own for the windowed ones (``local_rope``). Phi-3 computes the Llama decoder, but its checkpoints
+hold q|k|v and gate|up as one tensor each (``fused_checkpoint``) and Phi-4-mini rotates only part of each head
+(``rotary_dim``); its long-context RoPE (``longrope``) and YaRN are ``rope`` data (``rope_scaling.py``).
 
 Everything is read here, from the HF config, in one place: the model code has no ``getattr`` chains, and a
 config that asks for maths pagedkv does not do fails at once, with the field's name in the message.
@@ -18,8 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.model.rope import rope_parameters
+from pagedkv.model.rope_scaling import check_rope
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
+# families whose HF code rotates part of a head when the config's partial_rotary_factor says so (Llama's does not)
+_PARTIAL_ROTARY_TYPES = ("phi3",)
 # the config's activation name -> the gated MLP's activation (``GatedMLP``): silu (SwiGLU) or GeLU-tanh (GeGLU)
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -48,8 +53,9 @@ class ModelSpec:
     mlp_bias: bool
     qk_norm: bool
     max_positions: int  # size of the RoPE table: the model's max_position_embeddings
-    max_model_len: int  # longest context computed exactly (a context-wide window, if any, caps it)
+    max_model_len: int  # longest context served exactly (a context-wide window and the engine's limit cap it)
     rope: dict[str, Any]  # RoPE of the full-attention layers (every layer's, without local_rope)
+    rotary_dim: int  # leading dimensions of each q/k head that RoPE rotates (head_dim but for a partial factor)
     activation: str = "silu"  # the gated MLP's activation: a value of ACTIVATIONS
     norm_offset: float = 0.0  # every RMSNorm (q/k norms too) scales by ``norm_offset + w``: 1.0 for Gemma
     embed_scale: float = 1.0  # token embeddings are multiplied by this: sqrt(hidden) for Gemma
@@ -57,6 +63,7 @@ class ModelSpec:
     sandwich_norms: bool = False  # also a norm on the attention output and one each side of the MLP (Gemma)
     layer_windows: tuple[int, ...] = ()  # per layer: 0 = full attention, w = keys (p - w, p] only (empty: all 0)
     local_rope: dict[str, Any] | None = None  # RoPE of the windowed layers, where it differs from ``rope``
+    fused_checkpoint: bool = False  # the checkpoint holds q|k|v and gate|up as one tensor each (Phi-3)
 
     @property
     def softmax_scale(self) -> float:
@@ -70,7 +77,9 @@ class ModelSpec:
         return self.local_rope if self.local_rope is not None and self.window(layer) else self.rope
 
     @classmethod
-    def from_hf_config(cls, config: Any) -> ModelSpec:
+    def from_hf_config(cls, config: Any, max_model_len: int | None = None) -> ModelSpec:
+        """The description of ``config``'s model; ``max_model_len``: the engine's limit on the context, if any
+        (it caps ``max_model_len`` and decides which of longrope's factor sets serves, see rope_scaling.py)."""
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
@@ -104,16 +113,22 @@ class ModelSpec:
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             max_positions=max_positions,
             activation=_activation(config),
+            rotary_dim=_rotary_dim(config, model_type, head_dim),
         )
         if model_type == "gemma3_text":
-            return cls(**common, **_gemma3_fields(config, attention_bias, max_positions))
+            fields = _gemma3_fields(config, attention_bias, min(max_positions, max_model_len or max_positions))
+            for rope in (fields["rope"], fields["local_rope"]):
+                _check_rope(rope, head_dim)
+            return cls(**common, **fields)
+        served = min(max_positions, _context_window(config) or max_positions, max_model_len or max_positions)
         return cls(
             **common,
             qkv_bias=attention_bias or model_type == "qwen2",
             o_bias=attention_bias and model_type != "qwen2",
             qk_norm=model_type == "qwen3",
-            max_model_len=min(max_positions, _context_window(config) or max_positions),
-            rope=rope_parameters(config),
+            max_model_len=served,
+            rope=_served_rope(rope_parameters(config), common["rotary_dim"], served),
+            fused_checkpoint=model_type == "phi3",
         )
 
 
@@ -123,6 +138,39 @@ def _activation(config: Any) -> str:
     if name not in ACTIVATIONS:
         raise UnsupportedModelError(f"{field}={name!r} is not supported: the gated MLP computes {sorted(ACTIVATIONS)}")
     return ACTIVATIONS[name]
+
+
+def _rotary_dim(config: Any, model_type: str, head_dim: int) -> int:
+    """How many leading dimensions of a head RoPE rotates: ``int(head_dim * partial_rotary_factor)``, as HF."""
+    params = getattr(config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+    if factor != 1.0 and model_type not in _PARTIAL_ROTARY_TYPES:
+        raise UnsupportedModelError(
+            f"partial_rotary_factor={factor!r} is not supported for {model_type!r}: pagedkv rotates part of a "
+            f"head only for {_PARTIAL_ROTARY_TYPES}, as HF does"
+        )
+    rotary_dim = int(head_dim * factor)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise UnsupportedModelError(
+            f"partial_rotary_factor={factor!r} rotates {rotary_dim} of {head_dim} dimensions: it must be an even "
+            "number from 2 to head_dim"
+        )
+    return rotary_dim
+
+
+def _check_rope(rope: dict[str, Any], rotary_dim: int) -> None:
+    problem = check_rope(rope, rotary_dim)
+    if problem is not None:
+        raise UnsupportedModelError(f"{problem}: use a model without that RoPE scaling")
+
+
+def _served_rope(rope: dict[str, Any], rotary_dim: int, served: int) -> dict[str, Any]:
+    """``rope``, checked, with longrope's factor set decided for the served context: the long factors when it
+    exceeds ``original_max_position_embeddings`` (vLLM's rule; rope_scaling.py says why)."""
+    _check_rope(rope, rotary_dim)
+    if rope["rope_type"] != "longrope":
+        return rope
+    return {**rope, "long_context": served > int(rope["original_max_position_embeddings"])}
 
 
 def _gemma3_fields(config: Any, attention_bias: bool, max_positions: int) -> dict[str, Any]:
@@ -147,7 +195,7 @@ def _gemma3_fields(config: Any, attention_bias: bool, max_positions: int) -> dic
         qkv_bias=attention_bias,
         o_bias=attention_bias,
         qk_norm=True,
-        max_model_len=max_positions,  # windowed layers attend through their window: nothing caps the context
+        max_model_len=max_positions,  # windowed layers attend through their window: only the engine's limit caps it
         rope=_rope_entry(params["full_attention"]),
         local_rope=_rope_entry(params["sliding_attention"]),
         norm_offset=1.0,

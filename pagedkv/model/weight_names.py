@@ -3,6 +3,10 @@
 The model fuses q/k/v and gate/up into one linear layer each and, with tensor parallelism, keeps only this
 rank's shard; a checkpoint names the unfused, whole tensors. :func:`weight_targets` maps every HF parameter
 name to a loader that shards the tensor and copies it into its rows of the fused parameter.
+
+Phi-3 checkpoints hold the fused tensors already (``qkv_proj``, ``gate_up_proj``): their rows are split into
+the parts at load and each part goes through its own loader, so a rank still takes its heads' rows of each
+part. The model computes the same fused GEMM either way: splitting costs a row copy at load, nothing a step.
 """
 
 from __future__ import annotations
@@ -63,7 +67,36 @@ def weight_targets(model: LlamaForCausalLM) -> dict[str, WeightLoader]:
             q_rows, k_rows = attn.qk_norm_weight.split([attn.num_heads, attn.num_kv_heads])
             targets[prefix + "self_attn.q_norm.weight"] = _copier(q_rows, broadcast=True, offset=spec.norm_offset)
             targets[prefix + "self_attn.k_norm.weight"] = _copier(k_rows, broadcast=True, offset=spec.norm_offset)
+        if spec.fused_checkpoint:
+            q_rows, kv_rows = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+            qkv = [("self_attn.q_proj", q_rows), ("self_attn.k_proj", kv_rows), ("self_attn.v_proj", kv_rows)]
+            _fuse(targets, prefix, "self_attn.qkv_proj", qkv)
+            gate_up = [("mlp.gate_proj", spec.intermediate_size), ("mlp.up_proj", spec.intermediate_size)]
+            _fuse(targets, prefix, "mlp.gate_up_proj", gate_up)
     return targets
+
+
+def _fuse(targets: dict[str, WeightLoader], prefix: str, fused: str, parts: list[tuple[str, int]]) -> None:
+    """Replace the parts' targets by one for the checkpoint's fused tensor ``fused`` (weight, and bias where the
+    parts have one), whose rows are the parts' whole rows in order (``parts``: name and number of rows)."""
+    rows = [count for _, count in parts]
+    for kind in ("weight", "bias"):
+        loaders = [targets.pop(f"{prefix}{name}.{kind}", None) for name, _ in parts]
+        if loaders[0] is None:
+            continue
+
+        def load(tensor: Tensor | GGUFTensor, loaders: list[WeightLoader] = loaders, name: str = fused) -> None:
+            if tensor.shape[0] != sum(rows):
+                raise ValueError(
+                    f"checkpoint tensor {prefix}{name} has {tensor.shape[0]} rows, the config's parts {sum(rows)}: "
+                    "the config does not match the weights"
+                )
+            start = 0
+            for loader, count in zip(loaders, rows, strict=True):
+                loader(tensor.narrow(0, start, count))
+                start += count
+
+        targets[f"{prefix}{fused}.{kind}"] = load
 
 
 def _load_embedding(model: LlamaForCausalLM, tensor: Tensor | GGUFTensor) -> None:

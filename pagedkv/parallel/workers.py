@@ -128,7 +128,9 @@ def serve(tp: TensorParallel, config: EngineConfig, model_path: str) -> None:
     from pagedkv.model.loader import load_model
 
     attention = select_backend(config.attention_backend)
-    loaded = load_model(model_path, config.weight_format, attention, kernels.use_kernels(config.kernels), tp)
+    loaded = load_model(
+        model_path, config.weight_format, attention, kernels.use_kernels(config.kernels), tp, config.max_model_len
+    )
     num_blocks = int(tp.broadcast(torch.zeros(1, dtype=torch.int64), idle=True))
     kv = KVCacheManager(num_blocks, config.block_size, False)
     runner = ModelRunner(loaded.model, kv, tp, kv_dtype=KV_DTYPES[config.kv_cache_dtype])
