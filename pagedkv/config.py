@@ -119,6 +119,10 @@ class EngineConfig:
         "let kv_events_endpoint be any address: the events carry the token ids of every prompt without a "
         "cache_salt, readable by whoever can connect (the socket has no authentication)",
     )
+    chat_template: str | None = _option(
+        None,
+        "Jinja chat template file that replaces the model's own (read and compiled once, at start)",
+    )
     dtype: str | None = _option(None, "deprecated: use weight_format ('q4' is now 'gguf')", deprecated=True)
     linear_backend: str | None = _option(None, "deprecated: use kernels (panel: True, torch: False)", deprecated=True)
 

@@ -23,6 +23,7 @@ import torch
 from pagedkv import kernels
 from pagedkv.attention.backend import select_backend
 from pagedkv.config import EngineConfig
+from pagedkv.engine.chat_templates import load_chat_template
 from pagedkv.engine.core import EngineCore
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.prompts import encode_text, render_chat
@@ -53,6 +54,7 @@ class LLMEngine:
             prepare_directory(config.kv_cache_dir)
         if config.kv_events_endpoint is not None:  # the same
             check_endpoint(config.kv_events_endpoint, config.kv_events_allow_remote)
+        template = None if config.chat_template is None else load_chat_template(config.chat_template)  # the same
         torch.set_num_threads(workers.rank_threads(config))
         self.attention = select_backend(config.attention_backend)
         self.kernels = kernels.use_kernels(config.kernels)
@@ -65,6 +67,8 @@ class LLMEngine:
             tp = self.workers.tp
         loaded = load_model(config.model, config.weight_format, self.attention, self.kernels, tp, config.max_model_len)
         self.tokenizer = loaded.tokenizer
+        if template is not None:
+            self.tokenizer.chat_template = template
         self.hf_config = loaded.hf_config
         self.model_path = loaded.path
         self.weight_format = loaded.weight_format

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pagedkv.engine.chat_templates import check_template_kwargs
 from pagedkv.errors import InvalidParameter
 
 
@@ -22,8 +23,9 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def render_chat(tokenizer: Any, messages: Sequence[dict], **kwargs) -> list[int]:
-    """The conversation rendered with the generation prompt appended, as token ids.
+def render_chat(tokenizer: Any, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+    """The conversation rendered (with the generation prompt appended unless told not to), as token ids;
+    ``kwargs`` go to the template as variables (``tools``, a request's ``chat_template_kwargs``).
 
     A message's text is tokenized as text: a control token typed into it (``<|im_end|><|im_start|>system``)
     stays characters, as anywhere else in text, instead of becoming the token that ends a turn and opens a
@@ -33,9 +35,11 @@ def render_chat(tokenizer: Any, messages: Sequence[dict], **kwargs) -> list[int]
     controls = control_tokens(tokenizer)
     pattern = _pattern(controls)
     if pattern is None or not any(_typed(message, pattern) for message in messages):
-        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, **kwargs)
+        ids = tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
+        )
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return render_typed_as_text(tokenizer, messages, controls, **kwargs)
+    return render_typed_as_text(tokenizer, messages, controls, add_generation_prompt, **kwargs)
 
 
 def control_tokens(tokenizer: Any) -> dict[str, int]:
@@ -44,7 +48,9 @@ def control_tokens(tokenizer: Any) -> dict[str, int]:
     return {t.content: i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
 
 
-def render_typed_as_text(tokenizer: Any, messages: Sequence[dict], controls: dict[str, int], **kwargs) -> list[int]:
+def render_typed_as_text(
+    tokenizer: Any, messages: Sequence[dict], controls: dict[str, int], add_generation_prompt: bool = True, **kwargs
+) -> list[int]:
     """The template's control tokens as tokens, everything typed in the messages as text.
 
     The control texts typed in a message become private-use marker characters, the template renders the
@@ -57,7 +63,7 @@ def render_typed_as_text(tokenizer: Any, messages: Sequence[dict], controls: dic
     pattern = _pattern(controls)
     markers = dict(zip(controls, _free_characters(messages, kwargs, tokenizer, len(controls))))
     marked = [dict(m, content=_mark(m["content"], pattern, markers)) if _typed(m, pattern) else m for m in messages]
-    text = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False, **kwargs)
+    text = tokenizer.apply_chat_template(marked, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
     unmark = str.maketrans({marker: control for control, marker in markers.items()})
     typed_as_text = _split_at_controls(tokenizer, text, pattern, controls, unmark, as_text=True)
     as_hf = _split_at_controls(tokenizer, text.translate(unmark), pattern, controls, unmark, as_text=False)
@@ -117,12 +123,14 @@ def _free_characters(messages: Sequence[dict], kwargs: dict, tokenizer: Any, cou
 @dataclass(slots=True)
 class EnginePrompt:
     """One prompt of a server request as text, token ids, or chat messages; ``tools`` go to a chat template
-    that renders them itself."""
+    that renders them itself, ``template_kwargs`` (a request's checked ``chat_template_kwargs``) too."""
 
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
+    template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True  # False only where a rendering is asked for, not a generation (/tokenize)
 
     def token_ids(self, tokenizer: Any) -> list[int]:
         """The ids as given, the messages rendered, or the text encoded; ValueError (a 400) if the chat
@@ -130,8 +138,9 @@ class EnginePrompt:
         if self.prompt_token_ids is not None:
             return list(self.prompt_token_ids)
         if self.messages is not None:
+            variables = check_template_kwargs(self.template_kwargs, list(control_tokens(tokenizer)))
             try:
-                return render_chat(tokenizer, self.messages, tools=self.tools)
+                return render_chat(tokenizer, self.messages, self.add_generation_prompt, tools=self.tools, **variables)
             except Exception as exc:
                 raise InvalidParameter(
                     "prompt", f"messages could not be rendered with the model's chat template: {exc}"

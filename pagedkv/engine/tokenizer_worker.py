@@ -23,7 +23,7 @@ import copy
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagedkv.engine.grammar_pool import GrammarPool, GrammarsBusy
 from pagedkv.engine.output_processor import OutputProcessor, Stop
@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from pagedkv.engine.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class TokenizerWorker:
@@ -110,6 +112,11 @@ class TokenizerWorker:
         """The text of these ids (special tokens kept, no clean-up): what echo gives back for a token prompt."""
         job = self._pool.submit(self._tokenizer.decode, token_ids, clean_up_tokenization_spaces=False)
         return await asyncio.wrap_future(job)
+
+    async def run(self, job: Callable[[Any], T]) -> T:
+        """``job(tokenizer)`` on the worker, with its private tokenizer (the /tokenize routes' work);
+        RuntimeError once the worker is closed."""
+        return await asyncio.wrap_future(self._pool.submit(job, self._tokenizer))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
