@@ -11,8 +11,10 @@ from dataclasses import fields
 from pathlib import Path
 
 from pagedkv.config import EngineConfig
+from pagedkv.engine.chat_templates import ChatTemplateError
 from pagedkv.entrypoints.connections import ConnectionLimits
 from pagedkv.entrypoints.limits import ServerLimits
+from pagedkv.entrypoints.reasoning import REASONING_PARSERS
 from pagedkv.entrypoints.replica_options import add_replica_arguments, replicas_requested
 from pagedkv.sampling import SamplingParams
 
@@ -24,14 +26,17 @@ FLAG_ALIASES = {"kv_cache_memory_gb": ("--kv-cache-gb",), "num_threads": ("--thr
 _TYPES = {"int": int, "float": float, "str": str}
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """One option per EngineConfig field, generated from the field: its name, default, help and choices.
 
     ``--max-num-seqs`` sets ``max_num_seqs``; a bool field is ``--x / --no-x``; deprecated fields are
     accepted but hidden. So ``--help`` lists every engine setting and a new field needs no CLI code.
+    ``skip``: fields a command has no option for (they keep their defaults).
     """
     group = parser.add_argument_group("engine")
     for f in fields(EngineConfig):
+        if f.name in skip:
+            continue
         flags = ("--" + f.name.replace("_", "-"), *FLAG_ALIASES.get(f.name, ()))
         help_text = argparse.SUPPRESS if f.metadata.get("deprecated") else f.metadata["help"]
         kind = str(f.type).split("|")[0].strip()
@@ -50,7 +55,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {f.name: getattr(args, f.name) for f in fields(EngineConfig)}
+    return {f.name: getattr(args, f.name) for f in fields(EngineConfig) if f.name in args}
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -77,7 +82,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     llm = LLM(**engine_kwargs(args))
     params = sampling_params(args)
-    if args.chat_template:
+    if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
     else:
         outputs = llm.generate(args.prompts, params)
@@ -94,6 +99,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     if replicas_requested(args):
+        if args.reasoning_parser is not None:
+            print("pagedkv: --reasoning-parser is not available with --replicas yet", file=sys.stderr)
+            return 2
         from pagedkv.entrypoints.ray_serve import serve_replicas
 
         return serve_replicas(args, engine_kwargs(args))
@@ -134,9 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="complete one or more prompts and print the results")
     gen.add_argument("prompts", nargs="+", help="prompt text(s)")
-    gen.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user chat message")
+    gen.add_argument(  # its name predates the engine's --chat-template FILE, which generate therefore lacks
+        "--chat-template", dest="chat", action="store_true", help="wrap each prompt as a user chat message"
+    )
     add_sampling_args(gen)
-    add_engine_args(gen)
+    add_engine_args(gen, skip=("chat_template",))
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="talk to the model interactively, streaming the answers")
@@ -154,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' on every route but /health (default: $PAGEDKV_API_KEY)",
     )
     serve.add_argument("--served-model-name", default=None, help="model name clients use (default: file name)")
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="split a thinking model's <think>...</think> from its chat answers as reasoning_content",
+    )
     ServerLimits.add_arguments(serve)
     ConnectionLimits.add_arguments(serve)
     add_replica_arguments(serve)
@@ -180,7 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ChatTemplateError as exc:  # a bad --chat-template file: say so, without a traceback
+        print(f"pagedkv: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

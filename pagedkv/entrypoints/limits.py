@@ -110,6 +110,10 @@ class ServerLimits:
                 "max_stop_token_ids",
             )
         self._check_prompt(body, max_model_len)
+        tokens = body.get("tokens")
+        if isinstance(tokens, list) and len(tokens) > max_model_len:
+            message = f"{len(tokens)} token ids but max_model_len is {max_model_len}"
+            raise _limit("tokens", message, "max_model_len")
         for name in (*GRAMMAR_FIELDS, "tools"):  # tools become a grammar too
             spec = body.get(name)
             if spec is not None and len(json.dumps(spec)) > self.max_grammar_bytes:
@@ -154,7 +158,8 @@ class ServerLimits:
     def check_shape(self, body: Any) -> None:
         """Depth and list lengths of the whole parsed body, iteratively (a deep body cannot overflow the stack).
 
-        ``prompt`` may hold token-id lists up to ``max_model_len``; its bounds are checked by ``check``.
+        ``prompt`` and /detokenize's ``tokens`` may hold token-id lists up to ``max_model_len``; their bounds
+        are checked by ``check``.
         """
         if not isinstance(body, dict):
             raise APIError(400, "the body must be a JSON object")
@@ -168,7 +173,7 @@ class ServerLimits:
             elif isinstance(value, dict):
                 stack.extend((v, depth + 1, path) for v in value.values())
             elif isinstance(value, list):
-                if path != "prompt" and len(value) > self.max_list_items:
+                if path not in ("prompt", "tokens") and len(value) > self.max_list_items:
                     message = f"{path} has {len(value)} items, at most {self.max_list_items}"
                     raise _limit(path, message, "max_list_items")
                 stack.extend((v, depth + 1, path) for v in value if isinstance(v, str | dict | list))

@@ -42,6 +42,7 @@ from pagedkv.entrypoints.responses import ModelCard, ModelList
 from pagedkv.entrypoints.serving import ServingContext
 from pagedkv.entrypoints.serving_chat import create_chat_completion
 from pagedkv.entrypoints.serving_completions import create_completion
+from pagedkv.entrypoints.serving_tokenize import add_tokenize_routes
 from pagedkv.entrypoints.tool_calls import template_supports_tools
 
 if TYPE_CHECKING:
@@ -220,17 +221,19 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     limits: ServerLimits | None = None,
     loopback_only: bool = True,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``engine``; the engine thread runs while the app's lifespan does.
 
     ``loopback_only``: refuse requests whose Host is not a loopback name (for a server bound to loopback).
+    ``reasoning_parser``: split chat answers' thinking into ``reasoning_content`` (see ``reasoning``).
     """
     limits = limits or ServerLimits()
     model_name = served_model_name or Path(str(engine.model_path)).name
     grammars = GrammarPool(engine.grammars, limits.grammar_compile_threads, limits.grammar_compile_timeout_s)
     async_engine = AsyncEngine(engine, limits.max_queued_seqs, grammars)
     metrics = async_engine.metrics
-    ctx = ServingContext(async_engine, model_name, limits, template_supports_tools(engine.tokenizer))
+    ctx = ServingContext(async_engine, model_name, limits, template_supports_tools(engine.tokenizer), reasoning_parser)
     max_model_len = engine.max_model_len
     bodies = BodyParser(limits, max_model_len)
 
@@ -275,6 +278,7 @@ def build_app(
         body = await bodies.parse(request, ChatCompletionRequest)
         return await create_chat_completion(ctx, body, request)
 
+    add_tokenize_routes(app, ctx, bodies.parse, len(engine.tokenizer), max_model_len)  # /tokenize, /detokenize
     return app
 
 
@@ -302,7 +306,14 @@ def serve(args: argparse.Namespace, engine_kwargs: dict) -> int:
 
     engine = load_engine(EngineConfig(**engine_kwargs))  # on a thread that exits: see load_engine
     limits = ServerLimits.from_args(args)
-    app = build_app(engine, args.served_model_name, args.api_key, limits=limits, loopback_only=is_loopback(args.host))
+    app = build_app(
+        engine,
+        args.served_model_name,
+        args.api_key,
+        limits=limits,
+        loopback_only=is_loopback(args.host),
+        reasoning_parser=args.reasoning_parser,
+    )
     connections = fit_fd_limit(ConnectionLimits.from_args(args))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", **uvicorn_options(connections))
     server = DrainingServer(config)

@@ -1,9 +1,10 @@
 """Request bodies of the OpenAI API subset we serve (the responses are in ``responses``), and OpenAI-style errors.
 
-Requests accept unknown fields (clients such as the ``openai`` package send extras like ``user`` or
-``store``) but reject the ones whose meaning we would silently ignore (``suffix``, ``logit_bias``,
-the legacy ``functions``, ...): a client that asks for a feature must hear that it is missing rather than get a
-plausible wrong answer. Structured outputs come as ``response_format``, ``structured_outputs`` or ``guided_*``.
+Requests take the extras clients send by default (``user``, ``store: false``) but reject every field whose
+meaning we would silently ignore (``suffix``, ``logit_bias``, the legacy ``functions``, ``reasoning_effort``,
+unknown names; see ``request_fields``): a client that asks for a feature must hear that it is missing rather
+than get a plausible wrong answer. Structured outputs come as ``response_format``, ``structured_outputs`` or
+``guided_*``.
 Sampling values are range-checked by ``SamplingParams``, whose messages name the field; pydantic here
 only checks types, so every range rule lives in one place. Those types are strict where the OpenAI API says
 integer, number or boolean: pydantic's lax mode would read ``true`` as 1, ``"5"`` as 5 and ``1`` as true,
@@ -16,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
 
+from pagedkv.entrypoints.request_fields import unhonoured_field
 from pagedkv.sampling import SamplingParams
 from pagedkv.structured import StructuredOutputsParams
 
@@ -53,6 +55,7 @@ SAMPLING_FIELDS = (
 # The fields that ask for structured outputs: OpenAI's, vLLM's, and vLLM's older guided_* names.
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 GRAMMAR_FIELDS = ("response_format", "structured_outputs", *GUIDED)
+READ_EXTRAS = frozenset(GRAMMAR_FIELDS)  # the fields read from a body's extras; other extras: request_fields
 
 
 MAX_ECHOED_CHARS = 100
@@ -126,6 +129,9 @@ class _SamplingRequest(BaseModel):
                 raise APIError(
                     400, f"{name} is not supported by this server: remove it", param=name, code="unsupported_parameter"
                 )
+        unhonoured = unhonoured_field(self.model_extra or {}, READ_EXTRAS)
+        if unhonoured is not None:
+            raise APIError(400, unhonoured[1], param=unhonoured[0], code="unsupported_parameter")
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The SamplingParams arguments the client set; unset ones keep SamplingParams' defaults."""
@@ -252,6 +258,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
+    chat_template_kwargs: Any = None  # checked by chat_templates.check_template_kwargs, which names the key
 
     def param_renames(self) -> dict[str, str]:
         """This request's names of the sampling parameters whose errors name them: the chat API's logprobs

@@ -98,6 +98,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCallResponse] | None = None
+    reasoning_content: str | None = None  # vLLM's field: the thinking, with --reasoning-parser
 
 
 class ChatChoice(BaseModel):
@@ -122,12 +123,18 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None
 
     @model_serializer
     def _only_set(self) -> dict[str, Any]:
         """A delta carries only what changed, as OpenAI's do: no ``"role": null`` on every chunk."""
         calls = None if self.tool_calls is None else [c.model_dump() for c in self.tool_calls]
-        fields = (("role", self.role), ("content", self.content), ("tool_calls", calls))
+        fields = (
+            ("role", self.role),
+            ("content", self.content),
+            ("tool_calls", calls),
+            ("reasoning_content", self.reasoning_content),
+        )
         return {k: v for k, v in fields if v is not None}
 
 

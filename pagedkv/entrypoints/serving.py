@@ -43,14 +43,22 @@ DONE = "data: [DONE]\n\n"
 
 
 class ServingContext:
-    """The engine, the name clients must use for it, the server's limits and the model's tool format;
-    shared by both endpoints."""
+    """The engine, the name clients must use for it, the server's limits, the model's tool format and the
+    reasoning parser (None: off); shared by the endpoints."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, limits: ServerLimits, native_tools: bool) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        limits: ServerLimits,
+        native_tools: bool,
+        reasoning_parser: str | None = None,
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.limits = limits
         self.native_tools = native_tools  # the chat template renders tools (see tool_calls)
+        self.reasoning_parser = reasoning_parser  # one of reasoning.REASONING_PARSERS
         self._token_texts: list[str] = []
 
     def check_model(self, model: str | None) -> None:

@@ -7,6 +7,9 @@ the first chunk that has them.
 
 With tools (see ``tool_calls``), an answer is a call or a reply only once it is whole, so a streamed answer
 comes in one delta when it finishes: its ``content``, or its ``tool_calls`` with ``finish_reason: "tool_calls"``.
+
+With ``--reasoning-parser`` (see ``reasoning``), the thinking comes apart as ``message.reasoning_content``
+(streamed: ``delta.reasoning_content``) and tools are parsed from the answer after it.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pagedkv.engine.async_client import RequestStream
-from pagedkv.engine.request import RequestOutput
+from pagedkv.engine.request import CompletionOutput, RequestOutput
 from pagedkv.entrypoints.prompt_scores import vllm_prompt_logprobs
 from pagedkv.entrypoints.protocol import ChatCompletionRequest
+from pagedkv.entrypoints.reasoning import ReasoningSplitter, Split, refuse_grammar_with_reasoning, split_reasoning
 from pagedkv.entrypoints.responses import (
     AssistantMessage,
     ChatChoice,
@@ -50,7 +54,10 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, ctx.native_tools)
     tool_grammar = tools.structured_outputs() if tools is not None else None
     params = body.to_sampling_params(tool_grammar)
+    grammar_field = "tools" if tool_grammar is not None else body.grammar_renames()["structured_outputs"]
+    refuse_grammar_with_reasoning(ctx.reasoning_parser, params, grammar_field)
     prompt = [chat_prompt(body.messages, tools, ctx.native_tools)]
+    prompt[0].template_kwargs = body.chat_template_kwargs  # checked on the tokenizer worker (EnginePrompt)
     grammar = {"structured_outputs": "tools"} if tool_grammar is not None else body.grammar_renames()
     renames = body.param_renames() | grammar  # the engine's refusals name the fields this request used
     stream = await ctx.start("chatcmpl", prompt, params, body.cache_salt, "messages", body.stream, renames)
@@ -60,11 +67,15 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     (output,) = await collect(stream, request)
     choices = []
     for sample in output.outputs:
-        content, calls, finish_reason = _answer(tools, sample.text, sample.finish_reason)
+        parts = split_reasoning(ctx.reasoning_parser, sample.text) if ctx.reasoning_parser else Split("", sample.text)
+        content, calls, finish_reason = _answer(tools, parts.content, sample.finish_reason)
+        if ctx.reasoning_parser:
+            content = content or None
+        message = AssistantMessage(content=content, tool_calls=calls or None, reasoning_content=parts.reasoning or None)
         choices.append(
             ChatChoice(
                 index=sample.index,
-                message=AssistantMessage(content=content, tool_calls=calls or None),
+                message=message,
                 logprobs=chat_logprobs(ctx, sample, delta=False),
                 finish_reason=finish_reason,
                 stop_reason=sample.stop_reason,
@@ -99,6 +110,19 @@ def _whole_answer_delta(tools: ToolPlan, text: str, finish_reason: str | None) -
     return ChatDelta(content=content, tool_calls=deltas or None), finish_reason
 
 
+def _delta_parts(splitters: list[ReasoningSplitter] | None, sample: CompletionOutput) -> Split:
+    """The reasoning and answer parts of a sample's new text (all answer without a reasoning parser); at its
+    finish, with what the splitter held back."""
+    if splitters is None:
+        return Split(content=sample.delta_text)
+    splitter = splitters[sample.index]
+    parts = splitter.feed(sample.delta_text)
+    if sample.finish_reason is not None:
+        rest = splitter.finish()
+        parts = Split(parts.reasoning + rest.reasoning, parts.content + rest.content)
+    return parts
+
+
 def _prompt_scores(ctx: ServingContext, body: ChatCompletionRequest, output: RequestOutput) -> PromptLogprobs | None:
     if body.prompt_logprobs is None or output.prompt_logprobs is None:
         return None
@@ -111,17 +135,22 @@ async def _stream_events(
     chunk = partial(ChatCompletionChunk, id=stream.request_id, created=int(time.time()), model=ctx.model_name)
     yield chunk(choices=[ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")) for i in range(n)])
     reported: set[tuple[int, int]] = set()
-    answers = [""] * n  # with tools: each sample's text so far, parsed when it finishes
+    answers = [""] * n  # with tools: each sample's answer so far, parsed when it finishes
+    splitters = [ReasoningSplitter(ctx.reasoning_parser) for _ in range(n)] if ctx.reasoning_parser else None
     scores_sent = False
     async for index, output in stream:
         choices = []
         for sample in fresh_samples(index, output, reported):
-            delta, finish_reason = ChatDelta(content=sample.delta_text or None), sample.finish_reason
+            parts, finish_reason = _delta_parts(splitters, sample), sample.finish_reason
+            delta = ChatDelta(content=parts.content or None, reasoning_content=parts.reasoning or None)
             if tools is not None:
-                answers[sample.index] += sample.delta_text
-                if finish_reason is None and not body.logprobs:
+                answers[sample.index] += parts.content
+                if finish_reason is None and not body.logprobs and not parts.reasoning:
                     continue  # nothing to say until the answer is whole
                 delta, finish_reason = _whole_answer_delta(tools, answers[sample.index], finish_reason)
+                delta.reasoning_content = parts.reasoning or None
+            if delta == ChatDelta() and finish_reason is None and not body.logprobs:
+                continue  # text held back while the splitter decides whether it is a tag
             choices.append(
                 ChatChunkChoice(
                     index=sample.index,
