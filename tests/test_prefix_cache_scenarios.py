@@ -1,4 +1,4 @@
-"""Prefix-cache scenarios on KVCacheManager, each pinned to one rule of DESIGN.md "Prefix cache rules"."""
+"""Prefix-cache scenarios on KVCacheManager, each pinned to one rule of docs/architecture.md "Prefix cache rules"."""
 
 from __future__ import annotations
 

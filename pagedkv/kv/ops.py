@@ -22,7 +22,7 @@ PAD_SLOT = -1
 # The pool's element types (EngineConfig.kv_cache_dtype). float32 is the default and the exact one; float16 halves
 # the pool (llama.cpp's default KV type): each K/V value is rounded to fp16 once, when it is written, and every read
 # widens it back to fp32, so attention's arithmetic stays fp32 and only the stored values differ.
-# (shared/DESIGN.md keeps the pool fp32 because bf16 *attention* -- SDPA computing in bf16 -- was 6-10x slower; an
+# (docs/architecture.md keeps the pool fp32 because bf16 *attention* -- SDPA computing in bf16 -- was 6-10x slower; an
 # fp16 pool read by the fp32 kernel is not that: its decodes ran 1.1-1.5x faster than on fp32 pools, see
 # benchmarks/attention.py.) A value past fp16's range (65504) is stored as inf, as in llama.cpp's fp16 cache.
 KV_DTYPES = {"float32": torch.float32, "float16": torch.float16}
