@@ -1,0 +1,103 @@
+"""The README stays short and every link in it and in the docs site resolves; the site builds strictly.
+
+The site (mkdocs.yml, docs/) is built with ``mkdocs build --strict`` when mkdocs is installed (``make test``
+installs it with the [docs] extra): a broken link or anchor, a nav entry with no page, or an API page whose
+module cannot be collected fails the build, and so this test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README_MAX_LINES = 250
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
+INLINE_CODE = re.compile(r"`[^`]*`")
+
+
+def markdown_files() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def prose_lines(path: Path) -> list[str]:
+    """The file's lines outside fenced code blocks, with inline code removed (links there are not links)."""
+    lines, fenced = [], False
+    for line in path.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            lines.append(INLINE_CODE.sub("", line))
+    return lines
+
+
+def anchors_of(path: Path) -> set[str]:
+    """Heading ids as Python-Markdown's toc extension makes them (lower case, punctuation dropped, '-' joined)."""
+    ids = set()
+    for line in prose_lines(path):
+        if match := re.match(r"#{1,6} (.+)", line):
+            text = re.sub(r"[^\w\s-]", "", match.group(1)).strip().lower()
+            ids.add(re.sub(r"[-\s]+", "-", text))
+    return ids
+
+
+def relative_links(path: Path) -> list[str]:
+    links = []
+    for line in prose_lines(path):
+        for match in LINK.finditer(line):
+            target = match.group(1) or match.group(2)
+            if not re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto: are not checked here
+                links.append(target)
+    return links
+
+
+def test_readme_is_short():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines: move detail into docs/"
+
+
+def test_the_quick_start_is_make_run_and_make_test():
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"## Quick start\s+```bash\n(.*?)```", text, re.S)
+    assert block is not None, "README.md lost its Quick start code block"
+    assert [line.split("#")[0].strip() for line in block.group(1).splitlines()] == ["make run", "make test"]
+
+
+@pytest.mark.parametrize("path", markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(path):
+    broken = []
+    for link in relative_links(path):
+        file_part, _, anchor = link.partition("#")
+        target = (path.parent / file_part).resolve() if file_part else path
+        if not target.exists():
+            broken.append(f"{link}: no such file")
+        elif anchor and target.suffix == ".md" and anchor not in anchors_of(target):
+            broken.append(f"{link}: no heading with that anchor in {target.relative_to(ROOT)}")
+    assert not broken, f"{path.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+def test_the_link_checker_sees_a_broken_link(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n\n[ok](#title) [gone](missing.md) `[code](not-a-link.md)`\n```\n[x](fenced.md)\n```\n")
+    assert relative_links(page) == ["#title", "missing.md"]
+    assert anchors_of(page) == {"title"}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, reason="mkdocs is not installed: pip install '.[docs]'")
+def test_the_docs_site_builds_strictly(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert (tmp_path / "site" / "api" / "engine" / "index.html").exists()  # the docstrings were rendered
