@@ -38,7 +38,7 @@ def _check(path: Path, tmp_path: Path) -> None:
     assert metadata[f"{metadata['general.architecture']}.vocab_size"] == whole["vocab_size"]
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "phi3"])
 def test_a_tiny_files_config_is_the_same_from_the_copy(tmp_path, monkeypatch, architecture) -> None:
     """With the threshold lowered, the tiny vocabulary's arrays (512 tokens, merges) are left out and the
     vocabulary size comes from the copy's own entry."""

@@ -10,13 +10,14 @@ reference reads the same blocks either way.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config, Qwen2Config
 
 LEGACY = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
 # K-quant block layouts: bytes per 256-weight block, and where its fp16 super-block scales (d, dmin) sit
@@ -37,7 +38,10 @@ _LAYER = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv",  # phi3: q|k|v in one tensor
+    "mlp.gate_up_proj": "ffn_up",  # phi3: gate|up in one tensor, under llama.cpp's name for up
 }
+CONFIG_CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "phi3": Phi3Config}
 EOS = 3
 
 
@@ -46,7 +50,7 @@ def save_tiny_gguf(
     embedding_type: T | None = None, part_types: dict[str, T] | None = None, split_max_tensors: int = 0,
     **config: object,
 ) -> Path:
-    """Write a random ``architecture`` model (llama or qwen2) whose 2-D weights are ``ggml_type`` to ``path``.
+    """Write a random ``architecture`` model (llama, qwen2 or phi3) whose 2-D weights are ``ggml_type`` to ``path``.
 
     ``embedding_type``: the token embedding's type (default the same); ``part_types``: other types by GGUF part
     name (``{"attn_v": Q6_K, "ffn_down": Q6_K}`` mixes types in one layer as Q4_K_M files do). Norms and biases
@@ -68,15 +72,18 @@ def save_tiny_gguf(
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
     }
+    if architecture == "phi3":
+        settings["pad_token_id"] = 0  # HF's Phi-3 default, 32000, is outside a tiny vocabulary
     settings.update(config)
     torch.manual_seed(seed)
-    config_class = LlamaConfig if architecture == "llama" else Qwen2Config
-    model = AutoModelForCausalLM.from_config(config_class(**settings), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(CONFIG_CLASSES[architecture](**settings), dtype=torch.float32).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.2 * torch.randn_like(p))
     writer = gguf.GGUFWriter(str(path), architecture, split_max_tensors=split_max_tensors)
     _write_metadata(writer, architecture, settings)
+    if architecture == "phi3":
+        _write_phi3_keys(writer, model.config)
     rng = np.random.default_rng(seed)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and tie_word_embeddings:
@@ -124,6 +131,26 @@ def _write_metadata(writer: gguf.GGUFWriter, architecture: str, s: dict) -> None
         "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}<s>assistant: {% endif %}"
     )
+
+
+def _write_phi3_keys(writer: gguf.GGUFWriter, config: Phi3Config) -> None:
+    """What llama.cpp's converter writes for a Phi-3 beyond llama's keys: the padding token, the rotated
+    dimensions, the original context, the window (0: none) and, for longrope, the attention factor and the two
+    factor sets as tensors."""
+    writer.add_pad_token_id(config.pad_token_id)
+    head_dim = config.hidden_size // config.num_attention_heads
+    rope = config.rope_parameters
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
+    writer.add_sliding_window(config.sliding_window or 0)
+    if rope["rope_type"] != "longrope":
+        return
+    scale = config.max_position_embeddings / config.original_max_position_embeddings
+    writer.add_rope_scaling_attn_factors(
+        math.sqrt(1 + math.log(scale) / math.log(config.original_max_position_embeddings))
+    )
+    writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+    writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
 
 
 def _byte_symbols():

@@ -237,7 +237,9 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         config = transformers.AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # transformers ties the LM head to the embedding when the file it reads has no output.weight; in a split
         # set that tensor may be in another file, so the whole set decides
-        config.tie_word_embeddings = "output.weight" not in GGUFFile(gguf).tensors
+        file = GGUFFile(gguf)
+        config.tie_word_embeddings = "output.weight" not in file.tensors
+        gguf_weights.complete_config(file, config)  # what the conversion leaves out (Phi-3's RoPE)
         ModelSpec.from_hf_config(config)  # an unsupported configuration fails here, before the tokenizer
         tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config.save_pretrained(out)
