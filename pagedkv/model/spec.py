@@ -16,11 +16,14 @@ config that asks for maths pagedkv does not do fails at once, with the field's n
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.model.rope import rope_parameters
 from pagedkv.model.rope_scaling import check_rope
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
 # families whose HF code rotates part of a head when the config's partial_rotary_factor says so (Llama's does not)
@@ -170,7 +173,17 @@ def _served_rope(rope: dict[str, Any], rotary_dim: int, served: int) -> dict[str
     _check_rope(rope, rotary_dim)
     if rope["rope_type"] != "longrope":
         return rope
-    return {**rope, "long_context": served > int(rope["original_max_position_embeddings"])}
+    original = int(rope["original_max_position_embeddings"])
+    if served > original:
+        logger.warning(
+            "longrope: the long factors rotate every position, for a max_model_len of %d (> %d, the original "
+            "context); HF uses the short ones while a sequence is within %d tokens: pass max_model_len=%d for them",
+            served,
+            original,
+            original,
+            original,
+        )
+    return {**rope, "long_context": served > original}
 
 
 def _gemma3_fields(config: Any, attention_bias: bool, max_positions: int) -> dict[str, Any]:
