@@ -145,10 +145,19 @@ class EventStreamResponse(StreamingResponse):
     send gets ``stall_timeout_s``, after which the request is aborted and the connection dropped.
     """
 
-    def __init__(self, stream: RequestStream, events: AsyncIterator[BaseModel], stall_timeout_s: float) -> None:
-        super().__init__(_sse(stream, events), media_type="text/event-stream", background=BackgroundTask(stream.abort))
+    media_type = "text/event-stream"
+
+    def __init__(self, stream: RequestStream, events: AsyncIterator, stall_timeout_s: float) -> None:
+        super().__init__(
+            self.encode(stream, events), media_type=self.media_type, background=BackgroundTask(stream.abort)
+        )
         self.stream = stream
         self.stall_timeout_s = stall_timeout_s
+
+    @staticmethod
+    def encode(stream: RequestStream, events: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+        """The body's text; a subclass streams another format (Ollama's NDJSON) with the same guards."""
+        return _sse(stream, events)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def bounded_send(message: Message) -> None:
