@@ -37,6 +37,8 @@ from pagedkv.engine.metrics import ServerMetrics
 from pagedkv.entrypoints.connections import ConnectionLimits, fit_fd_limit, uvicorn_options
 from pagedkv.entrypoints.kv_page import KV_PATHS, KVAuthRequired, add_kv_routes, basic_auth_matches
 from pagedkv.entrypoints.limits import ServerLimits
+from pagedkv.entrypoints.ollama_api import add_ollama_routes
+from pagedkv.entrypoints.ollama_protocol import is_ollama_path, ollama_error_body
 from pagedkv.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, echoed
 from pagedkv.entrypoints.responses import ModelCard, ModelList
 from pagedkv.entrypoints.serving import ServingContext
@@ -58,8 +60,10 @@ PARSE_ON_LOOP_BYTES = 64 * 1024  # bodies up to this size parse in well under a 
 PARSE_WORKERS = 1  # large bodies parsed at once: see BodyParser
 
 
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
+def error_response(error: APIError, path: str = "") -> JSONResponse:
+    """The error in the API's own shape: Ollama's on its routes, OpenAI's elsewhere."""
+    body = ollama_error_body(error) if is_ollama_path(path) else error.body()
+    return JSONResponse(body, status_code=error.status, headers=error.headers())
 
 
 def is_loopback(host: str) -> bool:
@@ -124,7 +128,7 @@ class RequestGate:
             error = self._too_large()
         if error is not None:
             self.metrics.rejected.labels(status=str(error.status)).inc()
-            await error_response(error)(scope, receive, send)
+            await error_response(error, scope["path"])(scope, receive, send)
             return
         await self.app(scope, self._limited(receive), send)
 
@@ -148,10 +152,10 @@ class RequestGate:
 
 
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
-    async def respond(_: Request, error: APIError) -> JSONResponse:
+    async def respond(request: Request, error: APIError) -> JSONResponse:
         if error.status != 499:  # the client left: nothing was refused
             metrics.rejected.labels(status=str(error.status)).inc()
-        return error_response(error)
+        return error_response(error, request.url.path)
 
     async def on_validation_error(request: Request, exc: ValidationError) -> JSONResponse:
         errors = exc.errors(include_url=False, include_input=False)
@@ -279,6 +283,7 @@ def build_app(
         return await create_chat_completion(ctx, body, request)
 
     add_tokenize_routes(app, ctx, bodies.parse, len(engine.tokenizer), max_model_len)  # /tokenize, /detokenize
+    add_ollama_routes(app, ctx, bodies, engine)  # Ollama's API: /api/chat, /api/generate, /api/tags, ...
     return app
 
 

@@ -1,0 +1,279 @@
+"""Ollama's API on the pagedkv server, driven by the real ``ollama`` client against a live server on the default model.
+
+References are the same engine's offline greedy outputs, computed before the server takes the engine over,
+and the OpenAI route of the same server; the model facts are checked against the GGUF file read by the
+``gguf`` package. Hostile bodies on the new routes must get a 4xx in Ollama's error shape while a victim
+stream goes on to exactly its undisturbed text, and leave no request or KV block behind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from pathlib import Path
+
+import gguf
+import httpx
+import jsonschema
+import ollama
+import pytest
+
+from pagedkv.config import EngineConfig
+from pagedkv.engine.engine import LLMEngine
+from pagedkv.entrypoints.limits import ServerLimits
+from pagedkv.entrypoints.openai_server import build_app
+from pagedkv.sampling import SamplingParams
+from tests.live_server import live_server, wait_idle
+
+pytestmark = pytest.mark.slow
+
+MODEL, KEY, MAX_QUEUED, MAX_BODY, MAX_TOKENS, CONTEXT = "smol", "ollama-key", 2, 64 * 1024, 8, 512
+AUTH = {"Authorization": f"Bearer {KEY}"}
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+SYSTEM = "You answer in one short sentence."
+RAW_PROMPT = "The capital of France is"
+VICTIM = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+VICTIM_TOKENS = 48
+GREEDY = {"temperature": 0, "num_predict": MAX_TOKENS}
+
+
+def run_offline(engine: LLMEngine, token_ids: list[int], max_tokens: int):
+    request_id = engine.add_request(
+        prompt_token_ids=token_ids, params=SamplingParams(max_tokens=max_tokens, temperature=0)
+    )
+    done = None
+    while engine.has_unfinished_requests():
+        done = next((o for o in engine.step() if o.finished and o.request_id == request_id), done)
+    return done
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return LLMEngine(EngineConfig(num_kv_blocks=512, max_model_len=CONTEXT, num_threads=1))
+
+
+@pytest.fixture(scope="module")
+def reference(engine: LLMEngine) -> dict:
+    chat_ids = engine.apply_chat_template(QUESTION)
+    system_ids = engine.apply_chat_template([{"role": "system", "content": SYSTEM}, *QUESTION])
+    return {
+        "chat": run_offline(engine, chat_ids, MAX_TOKENS),
+        "chat_prompt_len": len(chat_ids),
+        "system": run_offline(engine, system_ids, MAX_TOKENS),
+        "raw": run_offline(engine, engine.encode(RAW_PROMPT), MAX_TOKENS),
+        "victim": run_offline(engine, engine.apply_chat_template(VICTIM), VICTIM_TOKENS).text,
+    }
+
+
+@pytest.fixture(scope="module")
+def server(engine: LLMEngine, reference: dict):
+    app = build_app(
+        engine, MODEL, api_key=KEY, max_body_bytes=MAX_BODY, limits=ServerLimits(max_queued_seqs=MAX_QUEUED)
+    )
+    with live_server(app) as base_url:
+        yield app, base_url
+
+
+@pytest.fixture(scope="module")
+def client(server) -> ollama.Client:
+    return ollama.Client(host=server[1], headers=AUTH, timeout=120)
+
+
+def assert_counters(final, prompt_len: int, tokens: int, done_reason: str) -> None:
+    assert final.done and final.done_reason == done_reason
+    assert final.prompt_eval_count == prompt_len and final.eval_count == tokens
+    assert final.load_duration == 0 and final.prompt_eval_duration > 0 and final.eval_duration >= 0
+    assert final.total_duration >= final.prompt_eval_duration + final.eval_duration
+
+
+def test_chat_equals_offline_greedy_and_the_openai_route(server, client, reference):
+    resp = client.chat(model=MODEL, messages=QUESTION, options=GREEDY)
+    ref = reference["chat"]
+    assert resp.message.role == "assistant" and resp.message.content == ref.text
+    assert_counters(resp, reference["chat_prompt_len"], len(ref.token_ids), ref.finish_reason)
+    openai_body = {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": MAX_TOKENS}
+    openai = httpx.post(server[1] + "/v1/chat/completions", json=openai_body, headers=AUTH, timeout=60).json()
+    assert openai["choices"][0]["message"]["content"] == resp.message.content
+
+
+def test_chat_streamed_is_ndjson_ending_in_one_final_object(client, reference):
+    parts = list(client.chat(model=f"{MODEL}:latest", messages=QUESTION, options=GREEDY, stream=True))
+    assert all(not p.done for p in parts[:-1]) and len(parts) > 2
+    assert "".join(p.message.content for p in parts) == reference["chat"].text
+    assert_counters(parts[-1], reference["chat_prompt_len"], MAX_TOKENS, reference["chat"].finish_reason)
+
+
+def test_generate_templated_raw_whole_and_streamed(server, client, reference):
+    templated = client.generate(model=MODEL, prompt=QUESTION[0]["content"], system=SYSTEM, options=GREEDY)
+    assert templated.response == reference["system"].text
+    raw = client.generate(model=MODEL, prompt=RAW_PROMPT, raw=True, options=GREEDY)
+    assert raw.response == reference["raw"].text
+    parts = list(client.generate(model=MODEL, prompt=RAW_PROMPT, raw=True, options=GREEDY, stream=True))
+    assert "".join(p.response for p in parts) == reference["raw"].text and parts[-1].eval_count == MAX_TOKENS
+    # Ollama streams unless told not to; an empty prompt only "loads" the model (ours is always loaded).
+    body = {"model": MODEL, "prompt": RAW_PROMPT, "raw": True, "options": GREEDY}
+    with httpx.stream("POST", server[1] + "/api/generate", json=body, headers=AUTH, timeout=60) as resp:
+        assert resp.headers["content-type"] == "application/x-ndjson"
+        lines = [json.loads(line) for line in resp.iter_lines() if line]
+    assert len(lines) > 2 and lines[-1]["done"] and "".join(x["response"] for x in lines) == reference["raw"].text
+    loaded = client.generate(model=MODEL, prompt="")
+    assert loaded.done and loaded.done_reason == "load" and loaded.response == ""
+
+
+def test_options_are_honoured(client, reference):
+    ref = reference["chat"].text
+    short = client.chat(model=MODEL, messages=QUESTION, options={"temperature": 0, "num_predict": 3})
+    assert short.eval_count == 3 and short.done_reason == "length"
+    stop = ref.split()[2]
+    stopped = client.chat(model=MODEL, messages=QUESTION, options=GREEDY | {"stop": [stop]})
+    assert stopped.message.content == ref[: ref.index(stop)] and stopped.done_reason == "stop"
+    # top_k 1 keeps only the most likely token: greedy whatever the temperature
+    top1 = client.chat(
+        model=MODEL, messages=QUESTION, options={"temperature": 1.0, "top_k": 1, "num_predict": MAX_TOKENS}
+    )
+    assert top1.message.content == ref
+    seeded = {"temperature": 1.5, "seed": 7, "num_predict": 24, "num_ctx": CONTEXT, "mirostat": 0}
+    first, again = (client.chat(model=MODEL, messages=QUESTION, options=seeded) for _ in range(2))
+    assert first.message.content == again.message.content
+    neutral = {"repeat_penalty": 1.0, "repeat_last_n": -1, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    assert client.chat(model=MODEL, messages=QUESTION, options=GREEDY | neutral, keep_alive="5m").message.content == ref
+
+
+def test_format_json_and_schema_give_valid_json(client):
+    ask = [{"role": "user", "content": "Describe a famous painter as JSON."}]
+    sampled = {"temperature": 1.0, "seed": 7, "num_predict": 200}
+    answer = client.chat(model=MODEL, messages=ask, format="json", options=sampled)
+    assert answer.done_reason == "stop" and isinstance(json.loads(answer.message.content), dict)
+    schema = {
+        "type": "object",
+        "properties": {"capital": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20}},
+        "required": ["capital", "country"],
+        "additionalProperties": False,
+    }
+    streamed = list(
+        client.generate(model=MODEL, prompt="Capital of France?", format=schema, stream=True, options=sampled)
+    )
+    assert streamed[-1].done_reason == "stop"
+    jsonschema.validate(json.loads("".join(p.response for p in streamed)), schema)
+
+
+def test_tags_show_ps_and_version_describe_the_served_model(server, client, engine):
+    path = Path(str(engine.model_path))
+    reader = gguf.GGUFReader(path)
+    parameters = sum(math.prod(int(d) for d in t.shape) for t in reader.tensors)
+    (listed,) = client.list().models
+    assert listed.model == MODEL and listed.size == path.stat().st_size
+    assert listed.details.format == "gguf" and listed.details.family == "llama"
+    assert listed.details.quantization_level == "Q4_1" and listed.details.parameter_size == f"{parameters / 1e6:.2f}M"
+    shown = client.show(f"{MODEL}:latest")
+    assert shown.modelinfo["general.parameter_count"] == parameters and shown.capabilities == ["completion"]
+    assert shown.modelinfo["llama.context_length"] == CONTEXT and shown.template == engine.tokenizer.chat_template
+    (running,) = client.ps().models
+    assert running.model == MODEL and running.context_length == CONTEXT and running.size_vram == 0
+    assert running.expires_at.year == 9999
+    assert httpx.get(server[1] + "/api/version", headers=AUTH).json() == {"version": "0.12.6"}
+    with pytest.raises(ollama.ResponseError) as missing:
+        client.show("llama3")
+    assert missing.value.status_code == 404 and "llama3" in missing.value.error
+    embed = httpx.post(server[1] + "/api/embed", json={"model": MODEL, "input": "hi"}, headers=AUTH)
+    assert embed.status_code == 501 and "embeddings" in embed.json()["error"]
+    pull = httpx.post(server[1] + "/api/pull", json={"model": "llama3"}, headers=AUTH)
+    assert pull.status_code == 404 and "/api/chat" in pull.json()["error"]
+
+
+CHAT, GENERATE = "/api/chat", "/api/generate"
+Q = {"model": MODEL, "messages": QUESTION}
+G = {"model": MODEL, "prompt": "hi"}
+HOSTILE = [  # (path, body, status, a phrase the error must hold)
+    (CHAT, Q | {"options": {"num_gpu": 1}}, 400, "options.num_gpu"),
+    (CHAT, Q | {"options": {"mirostat": 2}}, 400, "options.mirostat"),
+    (CHAT, Q | {"options": {"repeat_last_n": 64}}, 400, "options.repeat_last_n"),
+    (CHAT, Q | {"options": {"num_ctx": 10**6}}, 400, "options.num_ctx"),
+    (CHAT, Q | {"options": {"num_predict": 10**6}}, 400, "options.num_predict"),
+    (CHAT, Q | {"options": {"num_predict": -5}}, 400, "options.num_predict"),
+    (CHAT, Q | {"options": {"temperature": "hot"}}, 400, "options.temperature"),
+    (CHAT, Q | {"options": {"temperature": -1}}, 400, "options.temperature"),
+    (CHAT, Q | {"options": {"top_k": 1.5}}, 400, "options.top_k"),
+    (CHAT, Q | {"options": {"seed": 2**80}}, 400, "options.seed"),
+    (CHAT, Q | {"options": {"stop": ["x"] * 100}}, 400, "options.stop"),
+    (CHAT, Q | {"options": {"stop": [1, 2]}}, 400, "options.stop"),
+    (CHAT, Q | {"options": ["temperature"]}, 400, "options"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, 400, "images"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]}, 400, "surrogate"),
+    (CHAT, Q | {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    (CHAT, Q | {"think": True}, 400, "think"),
+    (CHAT, Q | {"logprobs": True}, 400, "logprobs"),
+    (CHAT, Q | {"format": "yaml"}, 400, "format"),
+    (CHAT, Q | {"format": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, 400, "format"),
+    (CHAT, Q | {"stream": "yes"}, 400, "stream"),
+    (CHAT, {"model": "llama3", "messages": QUESTION}, 404, "llama3"),
+    (CHAT, {"messages": QUESTION}, 400, "model"),
+    (GENERATE, G | {"template": "{{ .Prompt }}"}, 400, "template"),
+    (GENERATE, G | {"suffix": "end"}, 400, "suffix"),
+    (GENERATE, G | {"context": [1, 2, 3]}, 400, "context"),
+    (GENERATE, G | {"images": ["aGk="]}, 400, "images"),
+    (GENERATE, G | {"raw": True, "system": "be brief"}, 400, "system"),
+    (GENERATE, {"model": MODEL, "prompt": "word " * 4000}, 400, "prompt"),
+    (GENERATE, {"model": MODEL, "prompt": "hi", "system": "word " * 4000}, 400, "prompt"),
+    (GENERATE, {"model": MODEL, "prompt": "x" * (MAX_BODY + 1)}, 413, "larger than"),
+]
+
+
+def test_hostile_inputs_get_4xx_while_a_victim_streams(server, reference):
+    app, base_url = server
+    victim_text: list[str] = []
+    victim_client = ollama.Client(host=base_url, headers=AUTH, timeout=120)
+
+    def victim() -> None:
+        options = {"temperature": 0, "num_predict": VICTIM_TOKENS}
+        for part in victim_client.chat(model=MODEL, messages=VICTIM, options=options, stream=True):
+            victim_text.append(part.message.content)
+
+    thread = threading.Thread(target=victim)
+    thread.start()
+    failures = []
+    with httpx.Client(base_url=base_url, timeout=30, headers=AUTH) as http:
+        for path, body, status, phrase in HOSTILE:
+            resp = http.post(path, content=json.dumps(body))
+            error = resp.json().get("error") if resp.status_code != 200 else None  # a 200 streams NDJSON
+            if resp.status_code != status or not isinstance(error, str) or phrase not in error:
+                failures.append((path, phrase, resp.status_code, resp.text[:200]))
+        for headers, status in (({"Authorization": "Bearer wrong"}, 401), ({"Host": "attacker.example"}, 421)):
+            resp = http.post(CHAT, json=Q, headers=headers)
+            if resp.status_code != status or not isinstance(resp.json().get("error"), str):
+                failures.append((headers, resp.status_code, resp.text[:200]))
+        bad = http.post(CHAT, content=b'{"model": ', headers={"Content-Type": "application/json"})
+        if bad.status_code != 400 or "JSON" not in bad.json()["error"]:
+            failures.append(("bad json", bad.status_code, bad.text[:200]))
+    with pytest.raises(ollama.ResponseError) as keyless:
+        ollama.Client(host=base_url).chat(model=MODEL, messages=QUESTION)
+    thread.join(120)
+    assert not failures
+    assert keyless.value.status_code == 401 and "API key" in keyless.value.error
+    assert "".join(victim_text) == reference["victim"]
+    stats = wait_idle(app)
+    assert stats["kv_blocks_used"] == 0 and app.state.async_engine.num_in_flight == 0
+
+
+def test_queue_limit_and_disconnects_hold_on_the_ollama_routes(server):
+    app, base_url = server
+    story = {"model": MODEL, "options": {"temperature": 0, "num_predict": 300}}  # a long answer: it outlives the test
+    long_generate = story | {"prompt": VICTIM[0]["content"]}
+    with httpx.Client(base_url=base_url, headers=AUTH, timeout=60) as http:
+        with (
+            http.stream("POST", GENERATE, json=long_generate) as first,
+            http.stream("POST", CHAT, json=story | {"messages": VICTIM}) as second,
+        ):
+            readers = [first.iter_lines(), second.iter_lines()]  # kept: a dropped reader closes its stream
+            assert all(json.loads(next(lines))["done"] is False for lines in readers)
+            refused = http.post(CHAT, json=Q | {"options": {"num_predict": 2}})
+            assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+            assert "--max-queued-seqs" in refused.json()["error"]
+        # both streams closed mid-answer: their requests are aborted and their blocks freed
+        assert wait_idle(app)["kv_blocks_used"] == 0
+        with pytest.raises(httpx.ReadTimeout):
+            http.post(GENERATE, json=long_generate | {"stream": False}, timeout=1.0)
+    stats = wait_idle(app)
+    assert stats["kv_blocks_used"] == 0 and app.state.async_engine.num_in_flight == 0
