@@ -208,6 +208,8 @@ HOSTILE = [  # (path, body, status, a phrase the error must hold)
     (CHAT, Q | {"format": "yaml"}, 400, "format"),
     (CHAT, Q | {"format": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, 400, "format"),
     (CHAT, Q | {"stream": "yes"}, 400, "stream"),
+    (CHAT, Q | {"temperature": 0}, 400, "temperature"),  # Ollama's is options.temperature: not silently ignored
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "hi", "name": "x"}]}, 400, "messages[0].name"),
     (CHAT, {"model": "llama3", "messages": QUESTION}, 404, "llama3"),
     (CHAT, {"messages": QUESTION}, 400, "model"),
     (GENERATE, G | {"template": "{{ .Prompt }}"}, 400, "template"),

@@ -7,6 +7,8 @@ Where Ollama and pagedkv differ in meaning, the difference is refused or documen
 ``repeat_penalty`` covers the whole context (Ollama's ``repeat_last_n: -1``), and ``num_ctx`` is checked
 against the server's context rather than resizing it (every request may use all of it).
 
+A field Ollama's API does not have is refused by name too (Ollama ignores it), as on the /v1 routes.
+
 Errors on ``/api/*`` routes have Ollama's shape, ``{"error": "message"}``, naming the field in the message
 since Ollama's body has no separate ``param``.
 """
@@ -18,7 +20,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from pagedkv.engine.prompts import EnginePrompt
-from pagedkv.entrypoints.protocol import APIError, echoed, sampling_params
+from pagedkv.entrypoints.protocol import MAX_ECHOED_CHARS, APIError, echoed, sampling_params
 from pagedkv.sampling import SamplingParams
 from pagedkv.structured import StructuredOutputsParams
 
@@ -59,6 +61,15 @@ def is_ollama_path(path: str) -> bool:
     return path.startswith(OLLAMA_PREFIX)
 
 
+def _refuse_unknown(model: BaseModel, where: str) -> None:
+    """A 400 for the first field the request model does not declare: as on the /v1 routes, a misspelt option
+    must not pass for one that was honoured (Ollama itself ignores unknown fields)."""
+    name = next(iter(model.model_extra or {}), None)
+    if name is not None:
+        param = f"{where}.{name[:MAX_ECHOED_CHARS]}".lstrip(".")
+        raise APIError(400, f"{echoed(name)} is not a field this server knows: remove it", param=param)
+
+
 def _refuse_set(request: BaseModel, names: tuple[str, ...], why: str) -> None:
     """A 400 for the first of ``names`` set to anything but its empty or false value."""
     for name in names:
@@ -78,6 +89,7 @@ class OllamaMessage(BaseModel):
     tool_name: Any = None
 
     def as_template_dict(self, index: int) -> dict[str, str]:
+        _refuse_unknown(self, f"messages[{index}]")
         for name, why in (("images", "text only"), ("thinking", "no reasoning output"), ("tool_calls", "no tools")):
             if getattr(self, name) not in (None, "", []):
                 raise APIError(
@@ -103,6 +115,7 @@ class _OllamaGenerationRequest(BaseModel):
     top_logprobs: Any = None
 
     def check_supported(self) -> None:
+        _refuse_unknown(self, "")
         _refuse_set(self, ("think",), "this model has no reasoning output")
         _refuse_set(self, ("logprobs", "top_logprobs"), "use /v1/chat/completions for logprobs")
 
