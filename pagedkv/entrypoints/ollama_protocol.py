@@ -143,7 +143,7 @@ class _OllamaGenerationRequest(BaseModel):
 
 def _option(name: str, value: Any, max_model_len: int) -> dict[str, Any]:
     """The SamplingParams arguments of one Ollama option (none for a neutral one); a 400 for the rest."""
-    param = f"options.{name}"
+    param = f"options.{name[:MAX_ECHOED_CHARS]}"  # the name is the client's: a 1 MiB key is not echoed whole
     if name in INTEGER_OPTIONS and (not isinstance(value, int) or isinstance(value, bool)):
         raise APIError(400, f"{param} must be an integer, got {echoed(value)}", param=param)
     if name == "num_ctx":
