@@ -46,8 +46,14 @@ EOS = 3
 
 
 def save_tiny_gguf(
-    path: Path, ggml_type: T, architecture: str = "llama", seed: int = 0, tie_word_embeddings: bool = False,
-    embedding_type: T | None = None, part_types: dict[str, T] | None = None, split_max_tensors: int = 0,
+    path: Path,
+    ggml_type: T,
+    architecture: str = "llama",
+    seed: int = 0,
+    tie_word_embeddings: bool = False,
+    embedding_type: T | None = None,
+    part_types: dict[str, T] | None = None,
+    split_max_tensors: int = 0,
     **config: object,
 ) -> Path:
     """Write a random ``architecture`` model (llama, qwen2 or phi3) whose 2-D weights are ``ggml_type`` to ``path``.
@@ -84,6 +90,8 @@ def save_tiny_gguf(
     _write_metadata(writer, architecture, settings)
     if architecture == "phi3":
         _write_phi3_keys(writer, model.config)
+    if model.config.rope_parameters.get("rope_type") == "llama3":
+        _write_llama3_freqs(writer, model.config)
     rng = np.random.default_rng(seed)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and tie_word_embeddings:
@@ -151,6 +159,26 @@ def _write_phi3_keys(writer: gguf.GGUFWriter, config: Phi3Config) -> None:
     )
     writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
     writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+
+
+def _write_llama3_freqs(writer: gguf.GGUFWriter, config: LlamaConfig) -> None:
+    """Llama 3's RoPE scaling as llama.cpp's converter stores it: no keys, one frequency divisor a rotated pair
+    (``rope_freqs.weight``), computed in fp32 from the scaling parameters."""
+    rope = config.rope_parameters
+    head_dim = config.hidden_size // config.num_attention_heads
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    context = rope["original_max_position_embeddings"]
+    divisors = []
+    for freq in 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)):
+        wavelength = 2 * math.pi / freq
+        if wavelength < context / high:
+            divisors.append(1.0)
+        elif wavelength > context / low:
+            divisors.append(factor)
+        else:
+            smooth = (context / wavelength - low) / (high - low)
+            divisors.append(float(1 / ((1 - smooth) / factor + smooth)))
+    writer.add_tensor("rope_freqs.weight", np.array(divisors, dtype=np.float32))
 
 
 def _byte_symbols():

@@ -11,10 +11,8 @@ the attention output's) and hold every norm weight as ``1 + w`` (llama.cpp's con
 are handed on as HF's ``w``, ``(1 + w) - 1`` in fp32 as transformers computes it, and the model adds the 1 back.
 
 ``phi3`` files keep q|k|v and gate|up fused (``attn_qkv``; ``ffn_up`` holds gate and up), as HF's checkpoints
-do. Their RoPE is in keys and tensors transformers' GGUF conversion does not read (the rotated dimensions, the
-original context, the window, longrope's attention factor and its two factor sets as ``rope_factors_*``
-tensors): :func:`complete_config` puts them into the converted config, so a Phi-3.5 or Phi-4-mini file runs
-with its long-context RoPE and partial rotary, not silently without them.
+do. RoPE factor tensors (``rope_freqs``, ``rope_factors_*``) are not weights: ``gguf_rope`` reads them into
+the config.
 
 :class:`DequantizedTensors` is the other way in: every tensor de-quantised to fp32 when the loader asks for it,
 for ``weight_format="float32"`` / ``"bfloat16"`` (the reference) and where the compiled kernels are unavailable.
@@ -25,7 +23,6 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterator, Mapping
-from typing import Any
 
 import numpy as np
 import torch
@@ -36,6 +33,7 @@ from torch import Tensor
 from pagedkv import kernels
 from pagedkv.model import gguf_blocks
 from pagedkv.model.gguf_file import GGUFError, GGUFFile, GGUFTensor
+from pagedkv.model.gguf_rope import ROPE_TENSORS
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +69,6 @@ _LAYER_BY_ARCHITECTURE = {
 }
 _NORMS_PLUS_ONE = {"gemma3"}  # architectures whose files hold norm weights as 1 + w
 _LAYER_NAME = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<part>[a-z_]+)\.(?P<kind>weight|bias)$")
-# llama 3's rope_freqs holds the long-context RoPE factors, which the config's rope_scaling already gives
-_REDUNDANT = {"rope_freqs.weight"}
-# Phi-3's longrope factor sets: read into the config (complete_config), not weights
-_ROPE_FACTORS = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}
 
 
 def check_architecture(gguf: GGUFFile) -> None:
@@ -91,7 +85,7 @@ def hf_tensors(gguf: GGUFFile, num_heads: int, num_kv_heads: int) -> dict[str, G
     renamed: dict[str, GGUFTensor] = {}
     layer_parts = _LAYER_BY_ARCHITECTURE.get(gguf.architecture, _LAYER)
     for name, tensor in gguf.tensors.items():
-        if name in _REDUNDANT or name in _ROPE_FACTORS.values():
+        if name in ROPE_TENSORS:
             continue
         hf_name = _GLOBAL.get(name)
         match = _LAYER_NAME.match(name)
@@ -106,33 +100,6 @@ def hf_tensors(gguf: GGUFFile, num_heads: int, num_kv_heads: int) -> dict[str, G
             tensor = _minus_one(tensor)
         renamed[hf_name] = tensor
     return renamed
-
-
-def complete_config(gguf: GGUFFile, config: Any) -> None:
-    """Set in ``config`` (transformers' conversion of ``gguf``'s metadata) what that conversion leaves out: for a
-    ``phi3`` file its RoPE (rotated dimensions, longrope's factors and attention factor, the original context)
-    and its window, from the keys and tensors llama.cpp's converter writes them to."""
-    if gguf.architecture != "phi3":
-        return
-    meta, head_dim = gguf.metadata, config.hidden_size // config.num_attention_heads
-    rotary_dim = int(meta.get("phi3.rope.dimension_count", head_dim))
-    params = dict(config.rope_parameters, rope_type="default", partial_rotary_factor=rotary_dim / head_dim)
-    original = meta.get("phi3.rope.scaling.original_context_length")
-    if original is not None:
-        config.original_max_position_embeddings = int(original)
-    present = [key for key, name in _ROPE_FACTORS.items() if name in gguf.tensors]
-    if present:
-        if len(present) != 2 or original is None:
-            raise GGUFError(
-                f"{gguf.path}: longrope needs both {sorted(_ROPE_FACTORS.values())} tensors and the key "
-                "phi3.rope.scaling.original_context_length; the file is incomplete"
-            )
-        params.update({key: dequantize(gguf.tensors[name]).tolist() for key, name in _ROPE_FACTORS.items()})
-        params.update(rope_type="longrope", original_max_position_embeddings=int(original))
-        if "phi3.rope.scaling.attn_factor" in meta:
-            params["attention_factor"] = float(meta["phi3.rope.scaling.attn_factor"])
-    config.rope_parameters = params
-    config.sliding_window = int(meta.get("phi3.attention.sliding_window", 0)) or None
 
 
 def _minus_one(tensor: GGUFTensor) -> GGUFTensor:

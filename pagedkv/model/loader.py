@@ -34,7 +34,7 @@ import transformers
 from pagedkv import kernels as compiled
 from pagedkv.attention.backend import AttentionBackend
 from pagedkv.extension import cache_root
-from pagedkv.model import gguf_weights
+from pagedkv.model import gguf_rope, gguf_weights
 from pagedkv.model.checkpoint import Checkpoint
 from pagedkv.model.gguf_convert import config_reader_on_copy
 from pagedkv.model.gguf_file import GGUFFile, split_files
@@ -239,7 +239,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         # set that tensor may be in another file, so the whole set decides
         file = GGUFFile(gguf)
         config.tie_word_embeddings = "output.weight" not in file.tensors
-        gguf_weights.complete_config(file, config)  # what the conversion leaves out (Phi-3's RoPE)
+        gguf_rope.complete_config(file, config)  # the RoPE scaling the conversion leaves out
         ModelSpec.from_hf_config(config)  # an unsupported configuration fails here, before the tokenizer
         tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config.save_pretrained(out)
