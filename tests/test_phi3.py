@@ -3,7 +3,8 @@
 What differs from Llama: the checkpoint fuses q|k|v and gate|up into one tensor each (split at load into the
 model's own fused layers), long-context ``longrope`` RoPE (short and long per-pair factors and a cos/sin
 attention factor), Phi-4-mini's partial rotary (3/4 of each head rotated) and tied embeddings, and Phi-3-mini-4k's
-sliding window over the whole context. The tiny models set each of these.
+sliding window over the whole context. The tiny models set each of these; at TP=2 each rank takes its rows of
+every fused part.
 
 Longrope's factor set is chosen once per engine (rope_scaling.py): long when max_model_len exceeds the original
 context, which HF also uses for a forward over a sequence longer than that; short when max_model_len is within
@@ -196,3 +197,18 @@ def test_a_fused_tensor_of_the_wrong_size_is_refused_by_name():
     weights["model.layers.1.self_attn.qkv_proj.weight"] = weights["model.layers.1.self_attn.qkv_proj.weight"][:-4]
     with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.qkv_proj has 252 rows"):
         LlamaForCausalLM(hf.config).load_weights(weights)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_takes_each_ranks_rows_of_every_fused_part(tmp_path):
+    """At TP=2 each rank loads its query and KV heads' rows of q, k and v out of the one qkv_proj tensor (and
+    its rows of gate and up out of gate_up_proj); slicing the fused tensor itself would hand rank 0 all of q.
+    Phi-4-mini's shape: partial rotary, longrope, tied embeddings. Sums over ranks differ in the last bits."""
+    hf = _hf_model("phi4-mini")
+    checkpoint = save_with_word_tokenizer(hf, tmp_path / "tiny-phi4-mini")
+    llm = LLM(model=checkpoint, tensor_parallel_size=2, num_kv_blocks=64, num_threads=1, weight_format="float32")
+    prompts = [random_prompt(40 + i, n, VOCAB) for i, n in enumerate((ORIGINAL + 3, 2 * ORIGINAL))]
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=1, ignore_eos=True)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    llm.engine.close()
+    check_against_hf(hf, prompts, outputs, tol=2e-4)
