@@ -36,7 +36,7 @@ from setuptools.command.build_ext import build_ext as setuptools_build_ext
 CSRC = "pagedkv/csrc"
 PORTABLE = [f"{CSRC}/{name}" for name in ("paged_attention.cpp", "rms_norm.cpp", "pointwise.cpp",
                                           "decoder_stack.cpp", "gguf_blocks.cpp")]
-GEMM = [f"{CSRC}/panel_linear.cpp"]
+GEMM = [f"{CSRC}/panel_linear.cpp", f"{CSRC}/int8_linear.cpp"]
 HEADERS = [f"{CSRC}/simd.h"]
 # The JIT build's flags (pagedkv/kernels.py) with -march fixed per variant; -g0 against the build
 # environment's -g (debug info would make the libraries several times larger).

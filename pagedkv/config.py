@@ -38,6 +38,8 @@ class EngineConfig:
         None,
         "weights of the linear layers: gguf (the default for a .gguf file): fp32 math on the file's own codes "
         "(every common llama.cpp type), exactly the weights ggml de-quantises, packed from the mapped file; "
+        "gguf-int8 (opt-in, .gguf only): llama.cpp's arithmetic, activations rounded to int8 blocks and dotted "
+        "with the codes -- faster, not bit-equal to HF, still batch-invariant (docs/int8-activations.md); "
         "float32 (the default otherwise; for a .gguf file: de-quantised once, in memory, the reference); "
         "bfloat16 (pays on CPUs with bf16 GEMMs)",
         choices=tuple(WEIGHT_FORMATS),

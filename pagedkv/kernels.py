@@ -4,7 +4,8 @@
   attention over the paged pool, RMSNorm with the residual add, SiLU-and-multiply, RoPE. Written
   against the compiler's vector types, so it builds wherever a C++ compiler does. Also ``decoder_stack.cpp``,
   which runs a model's layers through these ops (and the GEMM, found by name) in one call from Python.
-- :data:`gemm` (``csrc/panel_linear.cpp``): the panel GEMM, written for AVX2 + FMA. A CPU without them
+- :data:`gemm` (``csrc/panel_linear.cpp``, and ``csrc/int8_linear.cpp`` for ``weight_format="gguf-int8"``): the
+  panel GEMM, written for AVX2 + FMA. A CPU without them
   loses only this library: the linear layers run on torch's GEMM and everything else stays compiled.
 
 Where they come from (:func:`kernel_choice`): an installed wheel ships them prebuilt (``pagedkv/_lib``, see
@@ -263,7 +264,7 @@ portable = CompiledLibrary(
 )
 gemm = CompiledLibrary(
     "pagedkv_gemm",
-    [_CSRC / "panel_linear.cpp"],
+    [_CSRC / "panel_linear.cpp", _CSRC / "int8_linear.cpp"],
     [],
     what="panel GEMM ops (AVX2 + FMA)",
     fallback="the linear layers run on torch's GEMM, roughly 2x slower decoding",
@@ -393,3 +394,15 @@ def panel_linear_into(x: Tensor, packed: Tensor, n: int, k: int, format_code: in
     :func:`pagedkv.model.panel.panel_linear_into`)."""
     gemm.require("use kernels=False")
     torch.ops.pagedkv.panel_linear_into(x, packed, n, k, format_code, y, col)
+
+
+def int8_linear(x: Tensor, blocks: Tensor, n: int, k: int, format_code: int) -> Tensor:
+    """The int8-activation GEMM on a 2-D fp32 ``x`` (see :mod:`pagedkv.model.int8_linear`)."""
+    gemm.require("use weight_format='gguf'")
+    return torch.ops.pagedkv.int8_linear(x, blocks, n, k, format_code)
+
+
+def int8_linear_into(x: Tensor, blocks: Tensor, n: int, k: int, format_code: int, y: Tensor, col: int) -> None:
+    """The int8-activation GEMM into columns ``[col, col + n)`` of a contiguous fp32 ``y [M, N]``."""
+    gemm.require("use weight_format='gguf'")
+    torch.ops.pagedkv.int8_linear_into(x, blocks, n, k, format_code, y, col)

@@ -51,16 +51,24 @@ struct Ops {
   c10::TypedOperatorHandle<RmsNorm> rms_norm = find_op<RmsNorm>("pagedkv::rms_norm");
   c10::TypedOperatorHandle<PanelLinear> panel_linear = find_op<PanelLinear>("pagedkv::panel_linear");
   c10::TypedOperatorHandle<PanelLinearInto> panel_linear_into = find_op<PanelLinearInto>("pagedkv::panel_linear_into");
+  // weight_format "gguf-int8": the file's blocks, dotted with int8 activations (int8_linear.cpp)
+  c10::TypedOperatorHandle<PanelLinear> int8_linear = find_op<PanelLinear>("pagedkv::int8_linear");
+  c10::TypedOperatorHandle<PanelLinearInto> int8_linear_into = find_op<PanelLinearInto>("pagedkv::int8_linear_into");
   c10::TypedOperatorHandle<Rope> rope_ = find_op<Rope>("pagedkv::rope_");
   c10::TypedOperatorHandle<WriteKv> write_kv = find_op<WriteKv>("pagedkv::write_kv");
   c10::TypedOperatorHandle<PagedAttention> paged_attention = find_op<PagedAttention>("pagedkv::paged_attention");
   c10::TypedOperatorHandle<SiluMul> silu_mul = find_op<SiluMul>("pagedkv::silu_mul");
 };
 
-// One part of a packed weight (its rows of the output) and what the GEMM needs to read it.
+// One part of a packed weight (its rows of the output) and what the GEMM needs to read it. Formats from
+// kInt8FormatBase on are a GGUF file's blocks for the int8-activation GEMM, the others panel formats.
+constexpr int64_t kInt8FormatBase = 64;
+
 struct Part {
   Tensor packed;
   int64_t n, k, format;
+
+  bool int8() const { return format >= kInt8FormatBase; }
 };
 
 // A linear layer as Linear.forward runs it on panels (see _panel_forward in pagedkv/model/layers.py): one part
@@ -74,12 +82,12 @@ struct Linear {
     Tensor y;
     if (parts.size() == 1) {
       const Part& p = parts.front();
-      y = ops.panel_linear.call(x, p.packed, p.n, p.k, p.format);
+      y = (p.int8() ? ops.int8_linear : ops.panel_linear).call(x, p.packed, p.n, p.k, p.format);
     } else {
       y = x.new_empty({x.size(0), out_features});
       int64_t col = 0;
       for (const Part& p : parts) {
-        ops.panel_linear_into.call(x, p.packed, p.n, p.k, p.format, y, col);
+        (p.int8() ? ops.int8_linear_into : ops.panel_linear_into).call(x, p.packed, p.n, p.k, p.format, y, col);
         col += p.n;
       }
     }

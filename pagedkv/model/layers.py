@@ -13,14 +13,20 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pagedkv import kernels
-from pagedkv.model import gguf_blocks, gguf_weights, panel
+from pagedkv.model import gguf_blocks, gguf_weights, int8_linear, panel
 from pagedkv.model.gguf_file import GGUFTensor
 from pagedkv.model.panel import PanelWeight
 from pagedkv.parallel.group import TensorParallel
 
 # The weight formats (``EngineConfig.weight_format``) and the dtype each keeps its linear weights in. "gguf":
-# fp32 math on a GGUF file's own codes, packed from the file for the panel GEMM (see Linear.load_part).
-WEIGHT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "gguf": torch.float32}
+# fp32 math on a GGUF file's own codes, packed from the file for the panel GEMM (see Linear.load_part);
+# "gguf-int8": llama.cpp's int8-activation arithmetic on the file's blocks, opt-in (model/int8_linear.py).
+WEIGHT_FORMATS = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "gguf": torch.float32,
+    int8_linear.WEIGHT_FORMAT: torch.float32,
+}
 # relative distance below a row's top bf16 logit within which the order is unreliable: two roundings of
 # 2**-8 each, plus the bf16 rounding of the GEMM's input, with room to spare
 _BF16_TIE_MARGIN = 2.0**-6
@@ -51,6 +57,8 @@ class Linear(nn.Module):
         # stores in different types: one part each); empty while the row-major weight serves.
         self.panels: tuple[PanelWeight, ...] = ()
         self._coded_parts: dict[int, PanelWeight] = {}  # first row -> part, while a GGUF file's parts arrive
+        # a GGUF file's parts are computed with int8 activations where their type has that kernel ("gguf-int8")
+        self.int8_activations = False
 
     def use_panel(self) -> bool:
         """Also keep the fp32 weight packed for the panel kernel, which then serves every step.
@@ -87,7 +95,8 @@ class Linear(nn.Module):
         """Copy ``tensor`` into rows ``[offset, offset + len)`` of ``weight`` or ``bias`` (``name``).
 
         A GGUF file's tensor (native ``weight_format="gguf"``) is packed from its own codes instead, as one part
-        of the panels; once the parts cover every row, they serve every call and the fp32 weight (never
+        of the panels (with ``int8_activations``, its blocks are used as they are, where the int8 GEMM has a
+        kernel for the type); once the parts cover every row, they serve every call and the fp32 weight (never
         written, so never resident) goes."""
         if isinstance(tensor, GGUFTensor):
             self._load_coded_part(name, offset, tensor)
@@ -112,15 +121,18 @@ class Linear(nn.Module):
                 f"GGUF tensor {tensor.name!r} of shape {tensor.shape} does not fit rows [{offset}, {offset + rows}) "
                 f"of a [{out_features}, {in_features}] {name}: the config does not match the weights"
             )
-        if tensor.ggml_type in gguf_blocks.TYPES:
-            part = gguf_blocks.pack(tensor.data.contiguous(), tensor.ggml_type, rows, tensor.k)
-        else:
-            part = panel.pack_fp32(gguf_weights.dequantize_without_kernel(tensor))
-        self._coded_parts[offset] = part
+        self._coded_parts[offset] = (int8_linear.weight(tensor) if self.int8_activations else None) or _exact_part(tensor)
         if sum(p.n for p in self._coded_parts.values()) == out_features:
             self.panels = tuple(part for _, part in sorted(self._coded_parts.items()))
             self._coded_parts = {}
             self.release_weight()
+
+
+def _exact_part(tensor: GGUFTensor) -> PanelWeight:
+    """A GGUF tensor packed from its codes for the exact panel GEMM (fp32 where it has no panel format)."""
+    if tensor.ggml_type in gguf_blocks.TYPES:
+        return gguf_blocks.pack(tensor.data.contiguous(), tensor.ggml_type, tensor.shape[0], tensor.k)
+    return panel.pack_fp32(gguf_weights.dequantize_without_kernel(tensor))
 
 
 def _panel_forward(x: Tensor, panels: tuple[PanelWeight, ...]) -> Tensor:

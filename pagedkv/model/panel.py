@@ -36,7 +36,11 @@ from pagedkv import kernels
 
 PANEL = 16
 COMPACT = {"q4k": 8, "q6k": 9, "q5": 10, "q5k": 11, "q2k": 12, "q3k": 13}
-FORMATS = {"fp32": 0, "q4": 1, "q8": 2, "q8m": 3, "q4g16": 4, "q8g16": 5, "f16": 6, "bf16": 7} | COMPACT
+# A GGUF file's own blocks for the int8-activation GEMM (``csrc/int8_linear.cpp``, weight_format "gguf-int8"):
+# code INT8_FORMAT_BASE + the ggml type id; the "packed" tensor is the blocks, row-major, as the file holds them.
+INT8_FORMAT_BASE = 64
+INT8_FORMATS = {"int8-q4_0": 66, "int8-q4_1": 67, "int8-q5_0": 70, "int8-q8_0": 72, "int8-q4_k": 76, "int8-q6_k": 78}
+FORMATS = {"fp32": 0, "q4": 1, "q8": 2, "q8m": 3, "q4g16": 4, "q8g16": 5, "f16": 6, "bf16": 7} | COMPACT | INT8_FORMATS
 
 
 class Coded(NamedTuple):
@@ -142,7 +146,12 @@ def _by_group(t: Tensor, n: int, groups: int) -> Tensor:
 def rows(weight: PanelWeight, ids: Tensor) -> Tensor:
     """Rows ``ids`` of the weight ``[n, k]`` as fp32 ``[len(ids), k]``, decoded from the packed form in C++: bit
     for bit the weights that were packed. What the embedding lookup reads when a tied LM head's panel holds the
-    only copy (measured: 4.6 us for one id, 12 us for 32, 1.5 ms for a 2,048-token chunk)."""
+    only copy (measured: 4.6 us for one id, 12 us for 32, 1.5 ms for a 2,048-token chunk). An int8-activation
+    weight is the file's blocks: its rows are de-quantised from them, as an untied embedding's are."""
+    if weight.format in INT8_FORMATS:
+        kernels.portable.require("GGUF blocks are read by them")
+        type_id = INT8_FORMATS[weight.format] - INT8_FORMAT_BASE
+        return torch.ops.pagedkv.gguf_rows(weight.packed, type_id, ids.to(torch.int64).contiguous(), weight.k)
     return kernels.panel_rows(weight.packed, ids.to(torch.int64), weight.n, weight.k, FORMATS[weight.format])
 
 
@@ -150,9 +159,10 @@ def panel_linear(x: Tensor, weight: PanelWeight) -> Tensor:
     """``x @ W.T`` for fp32 ``x [..., k]``; raises if the kernel cannot be built."""
     if x.shape[-1] != weight.k:
         raise ValueError(f"x has {x.shape[-1]} features but the weight expects {weight.k}")
+    gemm = kernels.int8_linear if weight.format in INT8_FORMATS else kernels.panel_linear
     if x.dim() == 2:  # what every layer passes: no reshape and view around the call (~2 us each, 121 calls a step)
-        return kernels.panel_linear(x, weight.packed, weight.n, weight.k, FORMATS[weight.format])
-    y = kernels.panel_linear(x.reshape(-1, weight.k), weight.packed, weight.n, weight.k, FORMATS[weight.format])
+        return gemm(x, weight.packed, weight.n, weight.k, FORMATS[weight.format])
+    y = gemm(x.reshape(-1, weight.k), weight.packed, weight.n, weight.k, FORMATS[weight.format])
     return y.view(*x.shape[:-1], weight.n)
 
 
@@ -162,4 +172,5 @@ def panel_linear_into(x: Tensor, weight: PanelWeight, y: Tensor, col: int) -> No
     even, runs one call per part into one output; each column gets the bits :func:`panel_linear` gives it."""
     if x.shape[-1] != weight.k:
         raise ValueError(f"x has {x.shape[-1]} features but the weight expects {weight.k}")
-    kernels.panel_linear_into(x, weight.packed, weight.n, weight.k, FORMATS[weight.format], y, col)
+    gemm = kernels.int8_linear_into if weight.format in INT8_FORMATS else kernels.panel_linear_into
+    gemm(x, weight.packed, weight.n, weight.k, FORMATS[weight.format], y, col)
