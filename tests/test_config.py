@@ -31,7 +31,7 @@ def test_every_field_says_what_it_does():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"weight_format": "q4"}, r"weight_format must be one of \('float32', 'bfloat16', 'gguf'\)"),
+        ({"weight_format": "q4"}, r"weight_format must be one of \('float32', 'bfloat16', 'gguf', 'gguf-int8'\)"),
         ({"attention_backend": "flash"}, r"attention_backend must be one of \('kernel', 'gather'\)"),
         ({"kernels": "panel"}, "kernels must be True, False or None"),
         ({"dtype": "fp16"}, "dtype must be one of"),

@@ -89,6 +89,7 @@ def _compare(path: Path, int8_formats: set[str], monkeypatch) -> None:
     int8 = LLM(model=str(path), weight_format="gguf-int8", num_kv_blocks=64, max_model_len=256)
     assert _formats(int8) == int8_formats
     got = _score(int8, sequences)
+    assert int8.engine.runner.model._stack  # the compiled decoder stack ran the int8 parts (the reference: modules)
     arithmetic = _score_with_the_reference(int8, sequences, monkeypatch)
     int8.engine.close()
     to_reference = np.array([abs(a[1] - b[1]) for a, b in zip(got, arithmetic, strict=True)])
