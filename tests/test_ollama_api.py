@@ -36,6 +36,19 @@ RAW_PROMPT = "The capital of France is"
 VICTIM = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
 VICTIM_TOKENS = 48
 GREEDY = {"temperature": 0, "num_predict": MAX_TOKENS}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 def run_offline(engine: LLMEngine, token_ids: list[int], max_tokens: int):
@@ -167,7 +180,7 @@ def test_tags_show_ps_and_version_describe_the_served_model(server, client, engi
     assert listed.details.format == "gguf" and listed.details.family == "llama"
     assert listed.details.quantization_level == "Q4_1" and listed.details.parameter_size == f"{parameters / 1e6:.2f}M"
     shown = client.show(f"{MODEL}:latest")
-    assert shown.modelinfo["general.parameter_count"] == parameters and shown.capabilities == ["completion"]
+    assert shown.modelinfo["general.parameter_count"] == parameters and shown.capabilities == ["completion", "tools"]
     assert shown.modelinfo["llama.context_length"] == CONTEXT and shown.template == engine.tokenizer.chat_template
     (running,) = client.ps().models
     assert running.model == MODEL and running.context_length == CONTEXT and running.size_vram == 0
@@ -180,6 +193,31 @@ def test_tags_show_ps_and_version_describe_the_served_model(server, client, engi
     assert embed.status_code == 501 and "embeddings" in embed.json()["error"]
     pull = httpx.post(server[1] + "/api/pull", json={"model": "llama3"}, headers=AUTH)
     assert pull.status_code == 404 and "/api/chat" in pull.json()["error"]
+
+
+def test_tool_calls_and_results_go_as_on_the_openai_route(server, client):
+    ask = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
+    options = {"temperature": 0, "num_predict": 100}
+    ours = client.chat(model=MODEL, messages=ask, tools=[WEATHER], options=options)
+    body = {"model": MODEL, "messages": ask, "tools": [WEATHER], "temperature": 0, "max_tokens": 100}
+    theirs = httpx.post(server[1] + "/v1/chat/completions", json=body, headers=AUTH, timeout=60).json()
+    expected = theirs["choices"][0]["message"]
+    calls = [(c.function.name, dict(c.function.arguments)) for c in ours.message.tool_calls or []]
+    assert calls == [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in expected["tool_calls"]]
+    assert calls and ours.message.content == (expected["content"] or "")
+    for _, arguments in calls:
+        jsonschema.validate(arguments, WEATHER["function"]["parameters"])
+    streamed = list(client.chat(model=MODEL, messages=ask, tools=[WEATHER], options=options, stream=True))
+    assert [p.message.tool_calls for p in streamed[:-1]] == [ours.message.tool_calls] and streamed[-1].done
+    # the call and its result go back into the prompt as the /v1 route renders them (tool_name as the call id)
+    result = {"role": "tool", "content": "18 degrees and sunny", "tool_name": "get_weather"}
+    followed = client.chat(model=MODEL, messages=[*ask, ours.message, result], tools=[WEATHER], options=options)
+    openai_call = {"id": "get_weather", "type": "function", "function": expected["tool_calls"][0]["function"]}
+    v1_messages = [*ask, {"role": "assistant", "content": None, "tool_calls": [openai_call]}]
+    v1_messages.append({"role": "tool", "content": result["content"], "tool_call_id": "get_weather"})
+    body = {**body, "messages": v1_messages}
+    theirs = httpx.post(server[1] + "/v1/chat/completions", json=body, headers=AUTH, timeout=60).json()
+    assert followed.message.content == (theirs["choices"][0]["message"]["content"] or "")
 
 
 CHAT, GENERATE = "/api/chat", "/api/generate"
@@ -203,7 +241,14 @@ HOSTILE = [  # (path, body, status, a phrase the error must hold)
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, 400, "images"),
     (CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]}, 400, "surrogate"),
-    (CHAT, Q | {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    (CHAT, Q | {"tools": [{"type": "retrieval"}]}, 400, "tools[0]"),
+    (CHAT, Q | {"tools": [WEATHER], "format": "json"}, 400, "tools"),
+    (
+        CHAT,
+        {"model": MODEL, "messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}]},
+        400,
+        "messages[0].tool_calls[0]",
+    ),
     (CHAT, Q | {"think": True}, 400, "think"),
     (CHAT, Q | {"logprobs": True}, 400, "logprobs"),
     (CHAT, Q | {"format": "yaml"}, 400, "format"),

@@ -177,7 +177,7 @@ def add_ollama_routes(app: FastAPI, ctx: ServingContext, bodies: BodyParser, eng
                 "template": facts.template,  # the model's Jinja chat template (Ollama's own are Go templates)
                 "details": facts.details,
                 "model_info": facts.model_info,
-                "capabilities": ["completion"],
+                "capabilities": ["completion", "tools"],  # tools: in the template's format or the generic one
                 "modified_at": facts.modified_at,
             }
         )

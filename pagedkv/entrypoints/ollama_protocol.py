@@ -20,7 +20,9 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from pagedkv.engine.prompts import EnginePrompt
-from pagedkv.entrypoints.protocol import MAX_ECHOED_CHARS, APIError, echoed, sampling_params
+from pagedkv.entrypoints.ollama_tools import chat_message
+from pagedkv.entrypoints.protocol import MAX_ECHOED_CHARS, APIError, ChatMessage, echoed, sampling_params
+from pagedkv.entrypoints.tool_calls import ToolPlan, chat_prompt, plan_tools
 from pagedkv.sampling import SamplingParams
 from pagedkv.structured import StructuredOutputsParams
 
@@ -88,16 +90,14 @@ class OllamaMessage(BaseModel):
     tool_calls: Any = None
     tool_name: Any = None
 
-    def as_template_dict(self, index: int) -> dict[str, str]:
+    def as_chat_message(self, index: int) -> ChatMessage:
         _refuse_unknown(self, f"messages[{index}]")
-        for name, why in (("images", "text only"), ("thinking", "no reasoning output"), ("tool_calls", "no tools")):
+        for name, why in (("images", "text only"), ("thinking", "no reasoning output")):
             if getattr(self, name) not in (None, "", []):
                 raise APIError(
                     400, f"{name} is not supported by this server ({why})", param=f"messages[{index}].{name}"
                 )
-        if self.role == "tool" or self.tool_name:
-            raise APIError(400, "tool messages are not supported by this server", param=f"messages[{index}].role")
-        return {"role": self.role, "content": self.content}
+        return chat_message(self.role, self.content, self.tool_calls, self.tool_name, index)
 
 
 class _OllamaGenerationRequest(BaseModel):
@@ -119,16 +119,29 @@ class _OllamaGenerationRequest(BaseModel):
         _refuse_set(self, ("think",), "this model has no reasoning output")
         _refuse_set(self, ("logprobs", "top_logprobs"), "use /v1/chat/completions for logprobs")
 
-    def sampling_params(self, max_model_len: int) -> SamplingParams:
+    def tool_plan(self, native: bool) -> ToolPlan | None:
+        """The tools the model may call (None: none offered; only /api/chat has tools)."""
+        return None
+
+    def sampling_params(self, max_model_len: int, tool_grammar: StructuredOutputsParams | None) -> SamplingParams:
+        """``tool_grammar``: the answer format that the request's tools ask for (no ``format`` with it)."""
         kwargs = dict(OLLAMA_DEFAULTS)
         for name, value in (self.options or {}).items():
             kwargs |= _option(name, value, max_model_len)
         if "max_tokens" not in kwargs:
             kwargs["max_tokens"] = None  # Ollama's default num_predict: until the model stops or the context fills
         grammar = self.structured_outputs()
-        if grammar is not None:
-            kwargs["structured_outputs"] = grammar
-        return sampling_params(kwargs, RENAMES)
+        if grammar is not None and tool_grammar is not None:
+            raise APIError(400, "tools and format cannot be combined: drop one", param="tools")
+        chosen = grammar if grammar is not None else tool_grammar
+        if chosen is not None:
+            kwargs["structured_outputs"] = chosen
+        return sampling_params(kwargs, self.renames(tool_grammar))
+
+    @staticmethod
+    def renames(tool_grammar: StructuredOutputsParams | None) -> dict[str, str]:
+        """The request's names of the engine's parameters, for refusals: a grammar is ``format`` or ``tools``."""
+        return RENAMES | ({"structured_outputs": "tools"} if tool_grammar is not None else {})
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
         """``format``: ``"json"`` (any JSON object) or a JSON schema, both through the structured-output engine."""
@@ -184,14 +197,16 @@ class OllamaChatRequest(_OllamaGenerationRequest):
     messages: list[OllamaMessage] = Field(default_factory=list)
     tools: Any = None
 
-    def check_supported(self) -> None:
-        super().check_supported()
-        _refuse_set(self, ("tools",), "use /v1/chat/completions for tool calling")
+    def tool_plan(self, native: bool) -> ToolPlan | None:
+        """Ollama has no tool_choice: the model may call any tool or reply ("auto")."""
+        return plan_tools(self.tools, None, None, native)
 
-    def engine_prompt(self) -> EnginePrompt | None:
-        """The conversation for the chat template; None for no messages (Ollama's request to load the model)."""
-        messages = [m.as_template_dict(i) for i, m in enumerate(self.messages)]
-        return EnginePrompt(messages=messages) if messages else None
+    def engine_prompt(self, tools: ToolPlan | None, native: bool) -> EnginePrompt | None:
+        """The conversation (with the tools) for the chat template; None for no messages (Ollama's request to
+        load the model)."""
+        if not self.messages:
+            return None
+        return chat_prompt([m.as_chat_message(i) for i, m in enumerate(self.messages)], tools, native)
 
 
 class OllamaGenerateRequest(_OllamaGenerationRequest):
@@ -221,7 +236,7 @@ class OllamaGenerateRequest(_OllamaGenerationRequest):
         if self.raw and self.system:
             raise APIError(400, "system cannot be combined with raw=true: put it in the prompt", param="system")
 
-    def engine_prompt(self) -> EnginePrompt | None:
+    def engine_prompt(self, tools: None, native: bool) -> EnginePrompt | None:
         """``raw``: the prompt as given; else one user turn after the optional system message, as Ollama's
         templates render it. None for an empty prompt (Ollama's request to load the model)."""
         if not self.prompt:

@@ -21,9 +21,11 @@ from starlette.responses import JSONResponse, Response
 
 from pagedkv.engine.async_client import EngineStopped, RequestFailed, RequestStream
 from pagedkv.engine.request import RequestOutput
-from pagedkv.entrypoints.ollama_protocol import RENAMES, OllamaChatRequest, OllamaGenerateRequest
+from pagedkv.entrypoints.ollama_protocol import OllamaChatRequest, OllamaGenerateRequest
+from pagedkv.entrypoints.ollama_tools import ollama_tool_calls
 from pagedkv.entrypoints.protocol import APIError, echoed
 from pagedkv.entrypoints.serving import EventStreamResponse, ServingContext, collect, engine_error
+from pagedkv.entrypoints.tool_calls import ToolPlan
 
 NS = 1_000_000_000
 OllamaRequest = OllamaChatRequest | OllamaGenerateRequest
@@ -62,16 +64,19 @@ async def create_ollama_response(
     body.check_supported()
     check_limits(ctx, body, max_model_len)
     chat = isinstance(body, OllamaChatRequest)
-    prompt = body.engine_prompt()
+    tools = body.tool_plan(ctx.native_tools)
+    prompt = body.engine_prompt(tools, ctx.native_tools)
     if prompt is None:
         return _loaded(ctx, chat)  # Ollama's way to load a model: ours is loaded already
-    params = body.sampling_params(max_model_len)
-    stream = await ctx.start("ollama", [prompt], params, None, body.prompt_param, body.stream, RENAMES)
+    tool_grammar = tools.structured_outputs() if tools is not None else None
+    params = body.sampling_params(max_model_len, tool_grammar)
+    renames = body.renames(tool_grammar)
+    stream = await ctx.start("ollama", [prompt], params, None, body.prompt_param, body.stream, renames)
     if body.stream:
-        lines = _stream_lines(ctx, stream, chat, started)
+        lines = _stream_lines(ctx, stream, chat, tools, started)
         return NDJSONResponse(stream, lines, ctx.limits.stream_stall_timeout_s)
     (output,) = await collect(stream, request)
-    return JSONResponse(_piece(ctx, chat, output.text) | _final_fields(stream, output, started))
+    return JSONResponse(_answer(ctx, chat, output.text, tools) | _final_fields(stream, output, started))
 
 
 def _loaded(ctx: ServingContext, chat: bool) -> JSONResponse:
@@ -84,6 +89,17 @@ def _piece(ctx: ServingContext, chat: bool, text: str) -> dict[str, Any]:
     if chat:
         return head | {"message": {"role": "assistant", "content": text}, "done": False}
     return head | {"response": text, "done": False}
+
+
+def _answer(ctx: ServingContext, chat: bool, text: str, tools: ToolPlan | None) -> dict[str, Any]:
+    """A whole answer; with tools, its calls parsed out into ``message.tool_calls``."""
+    if tools is None:
+        return _piece(ctx, chat, text)
+    content, calls = tools.parse(text)
+    piece = _piece(ctx, chat, content or "")
+    if calls:
+        piece["message"]["tool_calls"] = ollama_tool_calls(calls)
+    return piece
 
 
 def _final_fields(stream: RequestStream, output: RequestOutput, started: float) -> dict[str, Any]:
@@ -107,13 +123,18 @@ def _final_fields(stream: RequestStream, output: RequestOutput, started: float) 
 
 
 async def _stream_lines(
-    ctx: ServingContext, stream: RequestStream, chat: bool, started: float
+    ctx: ServingContext, stream: RequestStream, chat: bool, tools: ToolPlan | None, started: float
 ) -> AsyncIterator[dict[str, Any]]:
+    """The answer piece by piece; with tools, whole once it is finished (only then is it a call or a reply)."""
+    text = ""
     async for _, output in stream:
         sample = output.outputs[0]
-        if sample.delta_text:
+        text += sample.delta_text
+        if sample.delta_text and tools is None:
             yield _piece(ctx, chat, sample.delta_text)
         if output.finished:
+            if tools is not None:
+                yield _answer(ctx, chat, text, tools)
             yield _piece(ctx, chat, "") | _final_fields(stream, output, started)
 
 
