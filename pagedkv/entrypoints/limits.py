@@ -59,6 +59,12 @@ class ServerLimits:
     stream_stall_timeout_s: float = _limit_field(
         30.0, "seconds a streaming client may read nothing before its request is aborted"
     )
+    max_stored_responses: int = _limit_field(
+        1024, "responses kept for previous_response_id (/v1/responses), least recently used dropped first"
+    )
+    max_stored_response_bytes: int = _limit_field(
+        64 * 2**20, "bytes of the responses kept for previous_response_id, as JSON (conversation and response)"
+    )
     grammar_compile_threads: int = _limit_field(
         1, "threads compiling structured-output specs, apart from the engine and stream delivery"
     )
@@ -115,9 +121,21 @@ class ServerLimits:
             message = f"{len(tokens)} token ids but max_model_len is {max_model_len}"
             raise _limit("tokens", message, "max_model_len")
         for name in (*GRAMMAR_FIELDS, "tools"):  # tools become a grammar too
-            spec = body.get(name)
-            if spec is not None and len(json.dumps(spec)) > self.max_grammar_bytes:
-                raise _limit(name, f"{name} is larger than {self.max_grammar_bytes} bytes", "max_grammar_bytes")
+            self.check_spec(name, body.get(name))
+
+    def check_spec(self, name: str, spec: Any) -> None:
+        """A structured-output spec or tool list, as JSON, within ``max_grammar_bytes``."""
+        if spec is not None and len(json.dumps(spec)) > self.max_grammar_bytes:
+            raise _limit(name, f"{name} is larger than {self.max_grammar_bytes} bytes", "max_grammar_bytes")
+
+    def check_conversation(self, param: str, messages: int, chars: int, max_model_len: int) -> None:
+        """A prompt's messages and characters, before it is tokenized; also for a conversation that a route
+        assembles from more than one field (the Responses API: a stored conversation, input, instructions)."""
+        if messages > self.max_messages:
+            raise _limit(param, f"{messages} messages, at most {self.max_messages}", "max_messages")
+        limit = self.max_prompt_chars or 32 * max_model_len
+        if chars > limit:
+            raise _limit(param, f"the prompt text has {chars} characters, at most {limit}", "max_prompt_chars")
 
     def _check_prompt(self, body: dict[str, Any], max_model_len: int) -> None:
         prompt, messages = body.get("prompt"), body.get("messages")
@@ -130,13 +148,9 @@ class ServerLimits:
                 raise _limit(
                     "prompt", f"a prompt has {longest} token ids but max_model_len is {max_model_len}", "max_model_len"
                 )
-        if isinstance(messages, list) and len(messages) > self.max_messages:
-            raise _limit("messages", f"{len(messages)} messages, at most {self.max_messages}", "max_messages")
-        chars = _text_chars(prompt) + _text_chars(messages)
-        limit = self.max_prompt_chars or 32 * max_model_len
-        if chars > limit:
-            param = "messages" if messages is not None else "prompt"
-            raise _limit(param, f"the prompt text has {chars} characters, at most {limit}", "max_prompt_chars")
+        count = len(messages) if isinstance(messages, list) else 0
+        param = "messages" if messages is not None else "prompt"
+        self.check_conversation(param, count, _text_chars(prompt) + _text_chars(messages), max_model_len)
 
     def check_values(self, raw: bytes, max_model_len: int) -> None:
         """The body's JSON values, counted in its bytes before ``json.loads`` builds an object for each.

@@ -41,6 +41,8 @@ from pagedkv.entrypoints.ollama_api import add_ollama_routes
 from pagedkv.entrypoints.ollama_protocol import is_ollama_path, ollama_error_body
 from pagedkv.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, echoed
 from pagedkv.entrypoints.responses import ModelCard, ModelList
+from pagedkv.entrypoints.responses_api import ResponsesAPI, add_responses_routes
+from pagedkv.entrypoints.responses_api_store import ResponseStore
 from pagedkv.entrypoints.serving import ServingContext
 from pagedkv.entrypoints.serving_chat import create_chat_completion
 from pagedkv.entrypoints.serving_completions import create_completion
@@ -284,6 +286,10 @@ def build_app(
 
     add_tokenize_routes(app, ctx, bodies.parse, len(engine.tokenizer), max_model_len)  # /tokenize, /detokenize
     add_ollama_routes(app, ctx, bodies, engine)  # Ollama's API: /api/chat, /api/generate, /api/tags, ...
+    store = ResponseStore(limits.max_stored_responses, limits.max_stored_response_bytes)
+    config = engine.config
+    responses_api = ResponsesAPI(ctx, store, max_model_len, config.block_size, config.enable_prefix_caching)
+    add_responses_routes(app, responses_api, bodies.parse)  # POST /v1/responses, GET and DELETE /v1/responses/{id}
     return app
 
 
