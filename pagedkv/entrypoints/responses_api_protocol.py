@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, field_validator
 
 from pagedkv.entrypoints.protocol import APIError, echoed, sampling_params
 from pagedkv.entrypoints.tool_calls import NAME
@@ -58,6 +58,14 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     stream: StrictBool = False
     cache_salt: str | None = None  # vLLM's extension, as on the chat route: tenants that share no prefix blocks
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_shape(cls, value: Any) -> Any:
+        """One error naming ``input``, not one per member of the union."""
+        if not isinstance(value, str | list):
+            raise ValueError("input must be a string or a list of input items")
+        return value
 
     def check_supported(self) -> None:
         """A 400 naming the first field this server does not honour; metadata within OpenAI's bounds."""
