@@ -11,8 +11,8 @@ and a bounded store of finished responses for ``previous_response_id`` (``respon
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI
