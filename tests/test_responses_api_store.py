@@ -114,7 +114,7 @@ def test_fields_not_honoured_are_refused_by_name(fields, param):
             "input_messages",
             "input[0].content[0]",
         ),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input_messages", "input[0].type"),
+        ({"input": [{"type": "web_search_call", "id": "w"}]}, "input_messages", "input[0].type"),
         ({"input": [{"role": "tool", "content": "x"}]}, "input_messages", "input[0].role"),
         (
             {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]},

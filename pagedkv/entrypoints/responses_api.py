@@ -21,12 +21,15 @@ from starlette.responses import JSONResponse, Response
 
 from pagedkv.engine.request_stream import RequestStream
 from pagedkv.entrypoints.protocol import APIError, ChatMessage, echoed
+from pagedkv.entrypoints.reasoning import Split, refuse_grammar_with_reasoning, split_reasoning
 from pagedkv.entrypoints.responses_api_objects import (
     FunctionCallItem,
     IncompleteDetails,
     OutputItem,
     OutputMessage,
     OutputText,
+    ReasoningItem,
+    ReasoningText,
     ResponseObject,
     response_usage,
 )
@@ -83,14 +86,27 @@ class Turn:
     stream: RequestStream
     response: ResponseObject
     message_id: str = field(default_factory=lambda: OutputMessage().id)  # the text answer's item, if any
+    reasoning_id: str = field(default_factory=lambda: ReasoningItem().id)  # the thinking's item, if any
+
+    @property
+    def reasoning_parser(self) -> str | None:
+        return self.api.ctx.reasoning_parser
 
     def finish(self, text: str, finish_reason: str | None) -> list[OutputItem]:
-        """The answer's output items, status and usage, set on the response, which is stored if asked."""
+        """The answer's output items (thinking, text, calls), status and usage, set on the response, which
+        is stored if asked (without the thinking: the next turn's template would not show it either)."""
         cut = finish_reason == "length"
-        content, calls = (text, []) if self.tools is None or cut else self.tools.parse(text)
+        status = "incomplete" if cut else "completed"
+        parts = split_reasoning(self.reasoning_parser, text) if self.reasoning_parser else Split(content=text)
+        content, calls = (parts.content, []) if self.tools is None or cut else self.tools.parse(parts.content)
+        if self.reasoning_parser:
+            content = content or None  # a thinking model that only thought gave no message
         items: list[OutputItem] = []
+        if parts.reasoning:  # the thinking is complete if an answer follows it
+            thinking = [ReasoningText(text=parts.reasoning)]
+            done = "completed" if content is not None else status
+            items.append(ReasoningItem(id=self.reasoning_id, status=done, content=thinking))
         if content is not None:
-            status = "incomplete" if cut else "completed"
             items.append(OutputMessage(id=self.message_id, status=status, content=[OutputText(text=content)]))
         for call in calls:
             items.append(FunctionCallItem(call_id=call.id, name=call.function.name, arguments=call.function.arguments))
@@ -120,6 +136,7 @@ async def create_response(api: ResponsesAPI, body: ResponsesRequest, request: Re
     tools = plan_tools(body.chat_tools(), body.chat_tool_choice(), body.parallel_tool_calls, ctx.native_tools)
     tool_grammar = tools.structured_outputs() if tools is not None else None
     params = body.to_sampling_params(tool_grammar)
+    refuse_grammar_with_reasoning(ctx.reasoning_parser, params, "tools" if tool_grammar else "text.format")
     system = [] if body.instructions is None else [{"role": "system", "content": body.instructions}]
     messages = [ChatMessage.model_validate(m) for m in system + conversation]
     prompt = chat_prompt(messages, tools, ctx.native_tools)

@@ -49,7 +49,22 @@ class FunctionCallItem(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
-OutputItem = OutputMessage | FunctionCallItem
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """A thinking model's thinking, split from its answer by the server's ``--reasoning-parser``."""
+
+    id: str = Field(default_factory=lambda: new_id("rs"))
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+OutputItem = ReasoningItem | OutputMessage | FunctionCallItem
 
 
 class InputTokensDetails(BaseModel):

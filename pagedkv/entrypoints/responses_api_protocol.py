@@ -79,11 +79,14 @@ class ResponsesRequest(BaseModel):
             _check_metadata(self.metadata)
 
     def input_messages(self) -> list[dict[str, Any]]:
-        """``input`` as chat messages (role, content, tool_calls, tool_call_id); ``instructions`` not included."""
+        """``input`` as chat messages (role, content, tool_calls, tool_call_id); ``instructions`` not included,
+        nor reasoning items (stored conversations keep no thinking either)."""
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
         messages: list[dict[str, Any]] = []
         for index, item in enumerate(self.input):
+            if isinstance(item, dict) and item.get("type") == "reasoning":
+                continue  # an earlier answer's thinking, sent back with it: a template shows no past thinking
             message = _item_message(item, f"input[{index}]")
             previous = messages[-1] if messages else None
             if message.get("tool_calls") and previous is not None and previous["role"] == "assistant":
@@ -194,7 +197,7 @@ def _item_message(item: Any, where: str) -> dict[str, Any]:
     raise APIError(
         400,
         f"{where}: {echoed(kind)} items are not supported by this server "
-        "(only messages, function_call and function_call_output)",
+        "(only messages, function_call, function_call_output and reasoning)",
         param=f"{where}.type",
     )
 
