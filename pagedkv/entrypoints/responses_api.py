@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from pagedkv.engine.request_stream import RequestStream
 from pagedkv.entrypoints.protocol import APIError, ChatMessage, echoed
 from pagedkv.entrypoints.reasoning import Split, refuse_grammar_with_reasoning, split_reasoning
+from pagedkv.entrypoints.responses import ToolCallResponse
 from pagedkv.entrypoints.responses_api_objects import (
     FunctionCallItem,
     IncompleteDetails,
@@ -93,9 +94,20 @@ class Turn:
         return self.api.ctx.reasoning_parser
 
     def finish(self, text: str, finish_reason: str | None) -> list[OutputItem]:
-        """The answer's output items (thinking, text, calls), status and usage, set on the response, which
-        is stored if asked (without the thinking: the next turn's template would not show it either)."""
+        """The answer's output items, status and usage, set on the response, which is stored if asked."""
         cut = finish_reason == "length"
+        content, calls, items = self._output(text, cut)
+        response = self.response
+        response.output = items
+        response.status = "incomplete" if cut else "completed"
+        response.incomplete_details = IncompleteDetails(reason="max_output_tokens") if cut else None
+        response.usage = response_usage(self.stream, self.api.block_size, self.api.prefix_caching)
+        if self.body.store:
+            self._store(content, calls)
+        return items
+
+    def _output(self, text: str, cut: bool) -> tuple[str | None, list[ToolCallResponse], list[OutputItem]]:
+        """(message text, calls, output items): the thinking (with a reasoning parser), the text, the calls."""
         status = "incomplete" if cut else "completed"
         parts = split_reasoning(self.reasoning_parser, text) if self.reasoning_parser else Split(content=text)
         content, calls = (parts.content, []) if self.tools is None or cut else self.tools.parse(parts.content)
@@ -110,20 +122,18 @@ class Turn:
             items.append(OutputMessage(id=self.message_id, status=status, content=[OutputText(text=content)]))
         for call in calls:
             items.append(FunctionCallItem(call_id=call.id, name=call.function.name, arguments=call.function.arguments))
-        response = self.response
-        response.output = items
-        response.status = "incomplete" if cut else "completed"
-        response.incomplete_details = IncompleteDetails(reason="max_output_tokens") if cut else None
-        response.usage = response_usage(self.stream, self.api.block_size, self.api.prefix_caching)
-        if self.body.store:
-            answer = {"role": "assistant", "content": content}
-            if calls:
-                answer["tool_calls"] = [
-                    {"id": c.id, "type": "function", "function": c.function.model_dump()} for c in calls
-                ]
-            stored = self.conversation + [answer]
-            self.api.store.put(response.id, self.owner, stored, response.model_dump_json().encode())
-        return items
+        return content, calls, items
+
+    def _store(self, content: str | None, calls: list[ToolCallResponse]) -> None:
+        """The conversation with this answer, as the chat messages a continuation renders: without the
+        thinking, which the next turn's template would not show either."""
+        answer: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            answer["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": c.function.model_dump()} for c in calls
+            ]
+        stored = self.conversation + [answer]
+        self.api.store.put(self.response.id, self.owner, stored, self.response.model_dump_json().encode())
 
 
 async def create_response(api: ResponsesAPI, body: ResponsesRequest, request: Request) -> Response:
