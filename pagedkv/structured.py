@@ -23,7 +23,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import llguidance
@@ -35,6 +35,7 @@ from pagedkv.errors import InvalidParameter
 from pagedkv.grammar_probe import probe
 from pagedkv.json_text import loads_bounded
 from pagedkv.lark_base_case import never_ending_rules
+from pagedkv.reasoning_grammar import REASONING_PARSERS, after_thinking
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 CACHE_SIZE = 256  # compiled grammars (and refusals) kept, least recently used dropped
@@ -61,16 +62,23 @@ JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{1,32}"}
 @dataclass(frozen=True, slots=True)
 class StructuredOutputsParams:
     """Exactly one of: ``json`` (a JSON schema as a dict or JSON text), ``regex``, ``choice`` (a list of
-    strings), ``grammar`` (Lark syntax, or GBNF with ``::=``), ``json_object=True`` (any JSON object)."""
+    strings), ``grammar`` (Lark syntax, or GBNF with ``::=``), ``json_object=True`` (any JSON object).
+
+    ``reasoning``: a reasoning parser's name (``reasoning_grammar.REASONING_PARSERS``); the grammar then holds
+    for the answer after the model's ``<think>...</think>``, not for the thinking."""
 
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    reasoning: str | None = None
 
     def __post_init__(self) -> None:
-        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if self.reasoning is not None and self.reasoning not in REASONING_PARSERS:
+            message = f"structured_outputs.reasoning must be one of {REASONING_PARSERS}, got {self.reasoning!r}"
+            raise InvalidParameter("structured_outputs", message)
+        given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
         if len(given) != 1:
             what = ", ".join(given) or "none"
             raise InvalidParameter("structured_outputs", f"give exactly one of {', '.join(KINDS)}, got {what}")
@@ -94,6 +102,10 @@ class StructuredOutputsParams:
 
     def to_grammar(self) -> str:
         """The grammar in llguidance's format; InvalidParameter if it cannot be written down at all."""
+        grammar = self._answer_grammar()
+        return grammar if self.reasoning is None else after_thinking(grammar, self.reasoning)
+
+    def _answer_grammar(self) -> str:
         kind = self.kind
         if kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)

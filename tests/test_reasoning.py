@@ -6,6 +6,7 @@ The same server refuses the fields it would not honour and keeps the ones client
 
 from __future__ import annotations
 
+import json
 import random
 
 import openai
@@ -154,16 +155,46 @@ def test_the_models_own_output_splits_streamed_and_not(server, client):
 
 
 @pytest.mark.slow
-def test_a_grammar_with_the_reasoning_parser_is_refused_naming_both(client):
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    formats = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
-    with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model="smol", messages=SHOTS, max_tokens=4, response_format=formats)
-    assert refused.value.body["param"] == "response_format" and "--reasoning-parser" in refused.value.body["message"]
-    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
-    with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model="smol", messages=SHOTS, tools=[tool], tool_choice="required")
-    assert refused.value.body["param"] == "tools"
+def test_a_structured_output_constrains_the_answer_after_the_thinking(client):
+    free = client.chat.completions.create(model="smol", messages=SHOTS, max_tokens=MAX_TOKENS, temperature=0)
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    formats = {
+        "type": "json_schema",
+        "json_schema": {"name": "sum", "schema": schema | {"additionalProperties": False}},
+    }
+    reply = client.chat.completions.create(
+        model="smol", messages=SHOTS, max_tokens=MAX_TOKENS, temperature=0, response_format=formats
+    )
+    message = reply.choices[0].message
+    # The thinking is the model's own (every token of it was allowed); only the answer had to change.
+    assert message.model_extra["reasoning_content"] == free.choices[0].message.model_extra["reasoning_content"]
+    answer = json.loads(message.content)
+    assert list(answer) == ["answer"] and isinstance(answer["answer"], int)
+    assert reply.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.slow
+def test_forced_tool_calls_follow_the_thinking(client):
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+        },
+    }
+    reply = client.chat.completions.create(
+        model="smol",
+        messages=SHOTS,
+        max_tokens=120,
+        temperature=0,
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=False,
+    )
+    message = reply.choices[0].message
+    assert message.model_extra["reasoning_content"]
+    assert [call.function.name for call in message.tool_calls] == ["add"]
+    assert reply.choices[0].finish_reason == "tool_calls"
 
 
 @pytest.mark.slow
@@ -185,6 +216,18 @@ def test_fields_not_honoured_are_refused_by_name(client, field, value):
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model="smol", messages=SHOTS, max_tokens=2, extra_body={field: value})
     assert refused.value.body["param"] == field and field in refused.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="smol", prompt="Hi", max_tokens=2, extra_body={field: value})
+    assert refused.value.body["param"] == field
+
+
+@pytest.mark.slow
+def test_a_stream_option_not_honoured_is_refused_by_name(client):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model="smol", messages=SHOTS, max_tokens=2, stream=True, stream_options={"continuous_usage_stats": True}
+        )
+    assert refused.value.body["param"] == "stream_options.continuous_usage_stats"
 
 
 @pytest.mark.slow

@@ -92,6 +92,8 @@ class APIError(Exception):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # vLLM's continuous_usage_stats, say, is not honoured: a 400
+
     include_usage: StrictBool = False
 
 

@@ -15,13 +15,10 @@ deltas always join to the whole answer's parts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from pagedkv.entrypoints.protocol import APIError
+from pagedkv.reasoning_grammar import REASONING_PARSERS, THINK_END, THINK_START
 from pagedkv.sampling import SamplingParams
-
-THINK_START, THINK_END = "<think>", "</think>"
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 @dataclass(slots=True)
@@ -90,18 +87,9 @@ def _tag_prefix_length(text: str, tag: str) -> int:
     return 0
 
 
-def refuse_grammar_with_reasoning(parser: str | None, params: SamplingParams, field: str) -> None:
-    """A structured output (or the grammar of forced tool calls, ``field``) with a reasoning parser: a 400.
-
-    The grammar would hold from the first sampled token, so the model could not think before answering (and
-    ``<think>`` would have to be valid JSON): the answer-only grammar this needs is not built, so the
-    combination is refused, naming both, rather than answered without the reasoning the client expects.
-    """
-    if parser is not None and params.structured_outputs is not None:
-        raise APIError(
-            400,
-            f"{field} cannot be combined with this server's --reasoning-parser {parser}: the grammar would "
-            f"constrain the thinking too; drop {field}, or serve without --reasoning-parser",
-            param=field,
-            code="unsupported_parameter",
-        )
+def for_the_answer(parser: str | None, params: SamplingParams) -> SamplingParams:
+    """``params`` whose structured output (a client's, or forced tool calls') holds for the answer after the
+    thinking only (see ``reasoning_grammar``), when a reasoning parser splits the output."""
+    if parser is None or params.structured_outputs is None:
+        return params
+    return replace(params, structured_outputs=replace(params.structured_outputs, reasoning=parser))

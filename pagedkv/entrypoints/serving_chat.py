@@ -9,7 +9,8 @@ With tools (see ``tool_calls``), an answer is a call or a reply only once it is 
 comes in one delta when it finishes: its ``content``, or its ``tool_calls`` with ``finish_reason: "tool_calls"``.
 
 With ``--reasoning-parser`` (see ``reasoning``), the thinking comes apart as ``message.reasoning_content``
-(streamed: ``delta.reasoning_content``) and tools are parsed from the answer after it.
+(streamed: ``delta.reasoning_content``); tools are parsed from the answer after it, and a structured output
+constrains that answer only (``reasoning_grammar``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pagedkv.engine.async_client import RequestStream
 from pagedkv.engine.request import CompletionOutput, RequestOutput
 from pagedkv.entrypoints.prompt_scores import vllm_prompt_logprobs
 from pagedkv.entrypoints.protocol import ChatCompletionRequest
-from pagedkv.entrypoints.reasoning import ReasoningSplitter, Split, refuse_grammar_with_reasoning, split_reasoning
+from pagedkv.entrypoints.reasoning import ReasoningSplitter, Split, for_the_answer, split_reasoning
 from pagedkv.entrypoints.responses import (
     AssistantMessage,
     ChatChoice,
@@ -53,9 +54,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     body.check_supported()
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, ctx.native_tools)
     tool_grammar = tools.structured_outputs() if tools is not None else None
-    params = body.to_sampling_params(tool_grammar)
-    grammar_field = "tools" if tool_grammar is not None else body.grammar_renames()["structured_outputs"]
-    refuse_grammar_with_reasoning(ctx.reasoning_parser, params, grammar_field)
+    params = for_the_answer(ctx.reasoning_parser, body.to_sampling_params(tool_grammar))
     prompt = [chat_prompt(body.messages, tools, ctx.native_tools)]
     prompt[0].template_kwargs = body.chat_template_kwargs  # checked on the tokenizer worker (EnginePrompt)
     grammar = {"structured_outputs": "tools"} if tool_grammar is not None else body.grammar_renames()
