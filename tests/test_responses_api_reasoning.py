@@ -1,11 +1,14 @@
 """/v1/responses on a server with ``--reasoning-parser``: the thinking as a reasoning item, the answer as a
-message, streamed and not, equal to the chat route's ``reasoning_content`` and ``content`` on the same server.
+message, streamed and not, equal to the chat route's ``reasoning_content`` and ``content`` on the same server;
+a ``text.format`` holds for the answer after the thinking, as ``response_format`` does on the chat route.
 
 The server is test_reasoning's: the default model under a template that opens the thinking, prompted with
 two worked examples, so that its own greedy output thinks, closes ``</think>`` and answers.
 """
 
 from __future__ import annotations
+
+import json
 
 import openai
 import pytest
@@ -72,8 +75,16 @@ def test_thinking_is_a_reasoning_item_streamed_and_not(app, client):
     assert wait_idle(app)["kv_blocks_used"] == 0
 
 
-def test_a_text_format_with_the_reasoning_parser_is_refused_naming_it(client):
-    spec = {"format": {"type": "json_object"}}
-    with pytest.raises(openai.BadRequestError) as refused:
-        client.responses.create(model=MODEL, input="hi", text=spec)
-    assert refused.value.body["param"] == "text.format" and "--reasoning-parser" in refused.value.body["message"]
+def test_a_text_format_holds_for_the_answer_after_the_thinking(client):
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    chat_format = {"type": "json_schema", "json_schema": {"name": "sum", "schema": schema}}
+    chat = client.chat.completions.create(
+        model=MODEL, messages=SHOTS, max_tokens=MAX_TOKENS, temperature=0, response_format=chat_format
+    )
+    message = chat.choices[0].message
+    kwargs = {"model": MODEL, "input": TURNS, "instructions": INSTRUCTIONS, "max_output_tokens": MAX_TOKENS}
+    spec = {"format": {"type": "json_schema", "name": "sum", "schema": schema}}
+    reply = client.responses.create(temperature=0, text=spec, **kwargs)
+    assert [item.type for item in reply.output] == ["reasoning", "message"]
+    assert reply.output[0].content[0].text == message.model_extra["reasoning_content"]
+    assert reply.output_text == message.content and isinstance(json.loads(reply.output_text)["answer"], int)

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 
 from pagedkv.engine.request_stream import RequestStream
 from pagedkv.entrypoints.protocol import APIError, ChatMessage, echoed
-from pagedkv.entrypoints.reasoning import Split, refuse_grammar_with_reasoning, split_reasoning
+from pagedkv.entrypoints.reasoning import Split, for_the_answer, split_reasoning
 from pagedkv.entrypoints.responses import ToolCallResponse
 from pagedkv.entrypoints.responses_api_objects import (
     FunctionCallItem,
@@ -145,8 +145,7 @@ async def create_response(api: ResponsesAPI, body: ResponsesRequest, request: Re
     api.check_bounds(body, conversation)
     tools = plan_tools(body.chat_tools(), body.chat_tool_choice(), body.parallel_tool_calls, ctx.native_tools)
     tool_grammar = tools.structured_outputs() if tools is not None else None
-    params = body.to_sampling_params(tool_grammar)
-    refuse_grammar_with_reasoning(ctx.reasoning_parser, params, "tools" if tool_grammar else "text.format")
+    params = for_the_answer(ctx.reasoning_parser, body.to_sampling_params(tool_grammar))  # after the thinking
     system = [] if body.instructions is None else [{"role": "system", "content": body.instructions}]
     messages = [ChatMessage.model_validate(m) for m in system + conversation]
     prompt = chat_prompt(messages, tools, ctx.native_tools)
