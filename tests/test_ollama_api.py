@@ -153,6 +153,22 @@ def test_options_are_honoured(client, reference):
     assert client.chat(model=MODEL, messages=QUESTION, options=GREEDY | neutral, keep_alive="5m").message.content == ref
 
 
+def test_logprobs_equal_the_openai_routes_whole_and_streamed(server, client, reference):
+    ours = client.chat(model=MODEL, messages=QUESTION, options=GREEDY, logprobs=True, top_logprobs=3)
+    body = {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": MAX_TOKENS}
+    body |= {"logprobs": True, "top_logprobs": 3}
+    theirs = httpx.post(server[1] + "/v1/chat/completions", json=body, headers=AUTH, timeout=60).json()
+    expected = theirs["choices"][0]["logprobs"]["content"]
+    got = [(lp.token, lp.logprob, [(t.token, t.logprob) for t in lp.top_logprobs]) for lp in ours.logprobs]
+    tops = [[(t["token"], t["logprob"]) for t in e["top_logprobs"]] for e in expected]
+    assert got == [(e["token"], e["logprob"], top) for e, top in zip(expected, tops, strict=True)]
+    assert len(ours.logprobs) == len(reference["chat"].token_ids)  # one per sampled token, the EOS too
+    assert "".join(lp.token for lp in ours.logprobs).startswith(reference["chat"].text)
+    assert all(lp.top_logprobs[0].token == lp.token for lp in ours.logprobs)  # greedy: the top token was taken
+    streamed = client.chat(model=MODEL, messages=QUESTION, options=GREEDY, logprobs=True, top_logprobs=3, stream=True)
+    assert [lp for part in streamed for lp in part.logprobs or []] == list(ours.logprobs)
+
+
 def test_format_json_and_schema_give_valid_json(client):
     ask = [{"role": "user", "content": "Describe a famous painter as JSON."}]
     sampled = {"temperature": 1.0, "seed": 7, "num_predict": 200}
@@ -250,7 +266,8 @@ HOSTILE = [  # (path, body, status, a phrase the error must hold)
         "messages[0].tool_calls[0]",
     ),
     (CHAT, Q | {"think": True}, 400, "think"),
-    (CHAT, Q | {"logprobs": True}, 400, "logprobs"),
+    (CHAT, Q | {"top_logprobs": 2}, 400, "top_logprobs"),
+    (CHAT, Q | {"logprobs": True, "top_logprobs": 99}, 400, "top_logprobs"),
     (CHAT, Q | {"format": "yaml"}, 400, "format"),
     (CHAT, Q | {"format": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, 400, "format"),
     (CHAT, Q | {"stream": "yes"}, 400, "stream"),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from pagedkv.engine.prompts import EnginePrompt
 from pagedkv.entrypoints.ollama_tools import chat_message
@@ -48,7 +48,10 @@ OLLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
 INTEGER_OPTIONS = ("top_k", "seed", "num_predict", "num_ctx", "repeat_last_n", "mirostat")
 UNLIMITED_PREDICT = (-1, -2)  # Ollama: -1 generate until done, -2 until the context is full
 # SamplingParams field -> the request's name for it, so engine refusals name what the client wrote.
-RENAMES = {param: f"options.{option}" for option, param in SAMPLING_OPTIONS.items()} | {"structured_outputs": "format"}
+RENAMES = {param: f"options.{option}" for option, param in SAMPLING_OPTIONS.items()} | {
+    "structured_outputs": "format",
+    "logprobs": "top_logprobs",  # the engine's count of alternatives is Ollama's top_logprobs
+}
 
 
 def ollama_error_body(error: APIError) -> dict[str, str]:
@@ -111,13 +114,12 @@ class _OllamaGenerationRequest(BaseModel):
     stream: StrictBool = True  # Ollama streams unless told not to
     keep_alive: str | float | None = None  # accepted and ignored: the model is always loaded
     think: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
 
     def check_supported(self) -> None:
         _refuse_unknown(self, "")
         _refuse_set(self, ("think",), "this model has no reasoning output")
-        _refuse_set(self, ("logprobs", "top_logprobs"), "use /v1/chat/completions for logprobs")
 
     def tool_plan(self, native: bool) -> ToolPlan | None:
         """The tools the model may call (None: none offered; only /api/chat has tools)."""
@@ -130,6 +132,10 @@ class _OllamaGenerationRequest(BaseModel):
             kwargs |= _option(name, value, max_model_len)
         if "max_tokens" not in kwargs:
             kwargs["max_tokens"] = None  # Ollama's default num_predict: until the model stops or the context fills
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        if self.logprobs:
+            kwargs["logprobs"] = self.top_logprobs or 0
         grammar = self.structured_outputs()
         if grammar is not None and tool_grammar is not None:
             raise APIError(400, "tools and format cannot be combined: drop one", param="tools")

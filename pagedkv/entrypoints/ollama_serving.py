@@ -20,11 +20,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pagedkv.engine.async_client import EngineStopped, RequestFailed, RequestStream
-from pagedkv.engine.request import RequestOutput
+from pagedkv.engine.request import CompletionOutput, RequestOutput
 from pagedkv.entrypoints.ollama_protocol import OllamaChatRequest, OllamaGenerateRequest
 from pagedkv.entrypoints.ollama_tools import ollama_tool_calls
 from pagedkv.entrypoints.protocol import APIError, echoed
-from pagedkv.entrypoints.serving import EventStreamResponse, ServingContext, collect, engine_error
+from pagedkv.entrypoints.serving import EventStreamResponse, ServingContext, chat_logprobs, collect, engine_error
 from pagedkv.entrypoints.tool_calls import ToolPlan
 
 NS = 1_000_000_000
@@ -76,7 +76,8 @@ async def create_ollama_response(
         lines = _stream_lines(ctx, stream, chat, tools, started)
         return NDJSONResponse(stream, lines, ctx.limits.stream_stall_timeout_s)
     (output,) = await collect(stream, request)
-    return JSONResponse(_answer(ctx, chat, output.text, tools) | _final_fields(stream, output, started))
+    answer = _answer(ctx, chat, output.text, tools) | _logprobs(ctx, output.outputs[0], delta=False)
+    return JSONResponse(answer | _final_fields(stream, output, started))
 
 
 def _loaded(ctx: ServingContext, chat: bool) -> JSONResponse:
@@ -100,6 +101,13 @@ def _answer(ctx: ServingContext, chat: bool, text: str, tools: ToolPlan | None) 
     if calls:
         piece["message"]["tool_calls"] = ollama_tool_calls(calls)
     return piece
+
+
+def _logprobs(ctx: ServingContext, sample: CompletionOutput, delta: bool) -> dict[str, Any]:
+    """``logprobs`` of the sample's tokens (all, or the new ones), in the /v1 chat route's per-token shape that
+    Ollama's also has: token, logprob, bytes, top_logprobs; nothing when the request did not ask for them."""
+    scores = chat_logprobs(ctx, sample, delta)
+    return {} if scores is None else {"logprobs": scores.model_dump()["content"]}
 
 
 def _final_fields(stream: RequestStream, output: RequestOutput, started: float) -> dict[str, Any]:
@@ -126,15 +134,18 @@ async def _stream_lines(
     ctx: ServingContext, stream: RequestStream, chat: bool, tools: ToolPlan | None, started: float
 ) -> AsyncIterator[dict[str, Any]]:
     """The answer piece by piece; with tools, whole once it is finished (only then is it a call or a reply)."""
-    text = ""
+    text, scores = "", []
     async for _, output in stream:
         sample = output.outputs[0]
         text += sample.delta_text
-        if sample.delta_text and tools is None:
-            yield _piece(ctx, chat, sample.delta_text)
+        new_scores = _logprobs(ctx, sample, delta=True)
+        if tools is not None:
+            scores += new_scores.get("logprobs", [])  # they go with the whole answer
+        elif sample.delta_text or new_scores.get("logprobs"):
+            yield _piece(ctx, chat, sample.delta_text) | new_scores
         if output.finished:
             if tools is not None:
-                yield _answer(ctx, chat, text, tools)
+                yield _answer(ctx, chat, text, tools) | ({"logprobs": scores} if scores else {})
             yield _piece(ctx, chat, "") | _final_fields(stream, output, started)
 
 
