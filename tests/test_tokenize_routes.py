@@ -5,8 +5,10 @@ to exactly its greedy text."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -17,6 +19,8 @@ from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.entrypoints.limits import ServerLimits
 from pagedkv.entrypoints.openai_server import build_app
+from pagedkv.entrypoints.protocol import APIError
+from pagedkv.entrypoints.serving_tokenize import TokenizerJobs
 from pagedkv.model.loader import model_directory
 from tests.live_server import live_server, wait_idle
 from tests.victim_stream import greedy_text
@@ -179,3 +183,27 @@ def test_hostile_bodies_get_4xx_while_a_victim_streams(server):
     assert "".join(victim_text) == victim_reference
     stats = wait_idle(app)
     assert stats["kv_blocks_used"] == 0 and app.state.async_engine.num_in_flight == 0
+
+
+def test_tokenize_jobs_past_the_queue_limit_get_503_and_the_count_comes_back():
+    gate = asyncio.Event()
+
+    class SlowWorker:
+        async def run(self, job):
+            await gate.wait()
+            return job(None)
+
+    jobs = TokenizerJobs(SimpleNamespace(engine=SimpleNamespace(tokenizer=SlowWorker())), limit=2)
+
+    async def flood() -> None:
+        waiting = [asyncio.create_task(jobs.run(lambda _: 1)) for _ in range(2)]
+        await asyncio.sleep(0)
+        with pytest.raises(APIError) as refused:
+            await jobs.run(lambda _: 1)
+        assert refused.value.status == 503 and refused.value.retry_after == 1
+        assert "--max-queued-seqs" in refused.value.message
+        gate.set()
+        assert await asyncio.gather(*waiting) == [1, 1] and jobs.running == 0
+        assert await jobs.run(lambda _: 2) == 2
+
+    asyncio.run(flood())
