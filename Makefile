@@ -5,7 +5,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test test-browser test-ray test-gemma3 lint bench setup clean wheel test-wheel docker docs
+.PHONY: run test test-fast test-browser test-ray test-gemma3 lint bench setup clean wheel test-wheel docker docs
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# The tests that need no real model and little time, in under 2 minutes (tests/conftest.py marks them fast: the
+# unit tests in tests/engine/ and the flat files measured fast); `make test` stays the whole suite.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "fast and not slow" tests
 
 # The KV page in a real headless Chromium, from Debian's packages (installed here, not on the default path:
 # it is a few hundred MB). `make test` runs the same test, which skips without Chromium and says why.

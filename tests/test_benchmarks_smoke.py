@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["loop", "indexed", "gather_kv", "slots+sel", "slots_out", "floor"]
 ELEMENT_SIZE = {"float32": 4, "bfloat16": 2}
@@ -59,6 +61,7 @@ def test_attention_quick_json():
     assert all(row["times_us"]["kernel_fp16"] > 0 and row["kernel_over_fp16"] > 0 for row in summary["rows"])
 
 
+@pytest.mark.slow  # the default model
 def test_throughput_quick_json(tmp_path):
     summary = run_quick_json("throughput.py", "--out-dir", str(tmp_path))
     engines = [row["engine"] for row in summary["results"]]
@@ -70,6 +73,7 @@ def test_throughput_quick_json(tmp_path):
     assert (tmp_path / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # the default model
 def test_structured_quick_json():
     summary = run_quick_json("structured.py")
     assert set(summary["tokens_per_s"]) == {"unconstrained", "json_schema"}
@@ -78,6 +82,7 @@ def test_structured_quick_json():
     assert grammar["steps"] > 0 and grammar["compute"] > 0 and grammar["apply"] > 0  # the masks were used
 
 
+@pytest.mark.slow  # the default model
 def test_tensor_parallel_quick_json():
     summary = run_quick_json("tensor_parallel.py")
     assert summary["size"] == 3 and summary["end_to_end"]["greedy_tokens_equal"] is True
@@ -100,6 +105,7 @@ def test_panel_linear_quick_runs():
     assert [line.split()[0] for line in table[2:]] == ["1", "7"]
 
 
+@pytest.mark.slow  # the default model
 def test_serving_quick_json(tmp_path):
     """The pagedkv side of the serving benchmark: a real `pagedkv serve` subprocess per concurrency, driven by
     the streaming OpenAI client, started and stopped by the script."""
@@ -131,10 +137,9 @@ def test_serving_quick_json(tmp_path):
     assert "| concurrency | engine |" in (tmp_path / "serving.md").read_text()
 
 
+@pytest.mark.slow  # the default model
 def test_serving_quick_llama_server(tmp_path):
     """The llama-server side (`make llama-server` builds it); skipped, with the script's reason, without it."""
-    import pytest
-
     summary = run_quick_json("serving.py", "--skip-pagedkv", "--concurrency", "4", "--out-dir", str(tmp_path))
     if summary["llama_server"] is None:
         pytest.skip(summary["notes"][0])

@@ -80,7 +80,7 @@ LOCAL_WINDOW = LocalByteLevel.__new__(LocalByteLevel)
 LOCAL_WINDOW.hf = DecodeOnly(LOCAL.hf)
 
 
-@pytest.fixture(scope="module", params=["smollm2", "local", "local-window"])
+@pytest.fixture(scope="module", params=[pytest.param("smollm2", marks=pytest.mark.slow), "local", "local-window"])
 def tok(request):
     if request.param != "smollm2":
         return LOCAL if request.param == "local" else LOCAL_WINDOW
