@@ -2,15 +2,13 @@
 
 References are the same engine's offline greedy outputs, computed before the server takes the engine over,
 and the OpenAI route of the same server; the model facts are checked against the GGUF file read by the
-``gguf`` package. Hostile bodies on the new routes must get a 4xx in Ollama's error shape while a victim
-stream goes on to exactly its undisturbed text, and leave no request or KV block behind.
+``gguf`` package. Hostile inputs on these routes: tests/test_ollama_hostile.py.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import threading
 from pathlib import Path
 
 import gguf
@@ -19,51 +17,30 @@ import jsonschema
 import ollama
 import pytest
 
-from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
-from pagedkv.entrypoints.limits import ServerLimits
-from pagedkv.entrypoints.openai_server import build_app
-from pagedkv.sampling import SamplingParams
-from tests.live_server import live_server, wait_idle
+from tests.live_server import live_server
+from tests.ollama_server import (
+    AUTH,
+    CONTEXT,
+    MAX_TOKENS,
+    MODEL,
+    QUESTION,
+    WEATHER,
+    new_engine,
+    ollama_app,
+    run_offline,
+)
 
 pytestmark = pytest.mark.slow
 
-MODEL, KEY, MAX_QUEUED, MAX_BODY, MAX_TOKENS, CONTEXT = "smol", "ollama-key", 2, 64 * 1024, 8, 512
-AUTH = {"Authorization": f"Bearer {KEY}"}
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 SYSTEM = "You answer in one short sentence."
 RAW_PROMPT = "The capital of France is"
-VICTIM = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
-VICTIM_TOKENS = 48
 GREEDY = {"temperature": 0, "num_predict": MAX_TOKENS}
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 30}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
-
-
-def run_offline(engine: LLMEngine, token_ids: list[int], max_tokens: int):
-    request_id = engine.add_request(
-        prompt_token_ids=token_ids, params=SamplingParams(max_tokens=max_tokens, temperature=0)
-    )
-    done = None
-    while engine.has_unfinished_requests():
-        done = next((o for o in engine.step() if o.finished and o.request_id == request_id), done)
-    return done
 
 
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(num_kv_blocks=512, max_model_len=CONTEXT, num_threads=1))
+    return new_engine()
 
 
 @pytest.fixture(scope="module")
@@ -75,22 +52,18 @@ def reference(engine: LLMEngine) -> dict:
         "chat_prompt_len": len(chat_ids),
         "system": run_offline(engine, system_ids, MAX_TOKENS),
         "raw": run_offline(engine, engine.encode(RAW_PROMPT), MAX_TOKENS),
-        "victim": run_offline(engine, engine.apply_chat_template(VICTIM), VICTIM_TOKENS).text,
     }
 
 
 @pytest.fixture(scope="module")
 def server(engine: LLMEngine, reference: dict):
-    app = build_app(
-        engine, MODEL, api_key=KEY, max_body_bytes=MAX_BODY, limits=ServerLimits(max_queued_seqs=MAX_QUEUED)
-    )
-    with live_server(app) as base_url:
-        yield app, base_url
+    with live_server(ollama_app(engine)) as base_url:
+        yield base_url
 
 
 @pytest.fixture(scope="module")
 def client(server) -> ollama.Client:
-    return ollama.Client(host=server[1], headers=AUTH, timeout=120)
+    return ollama.Client(host=server, headers=AUTH, timeout=120)
 
 
 def assert_counters(final, prompt_len: int, tokens: int, done_reason: str) -> None:
@@ -106,7 +79,7 @@ def test_chat_equals_offline_greedy_and_the_openai_route(server, client, referen
     assert resp.message.role == "assistant" and resp.message.content == ref.text
     assert_counters(resp, reference["chat_prompt_len"], len(ref.token_ids), ref.finish_reason)
     openai_body = {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": MAX_TOKENS}
-    openai = httpx.post(server[1] + "/v1/chat/completions", json=openai_body, headers=AUTH, timeout=60).json()
+    openai = httpx.post(server + "/v1/chat/completions", json=openai_body, headers=AUTH, timeout=60).json()
     assert openai["choices"][0]["message"]["content"] == resp.message.content
 
 
@@ -126,7 +99,7 @@ def test_generate_templated_raw_whole_and_streamed(server, client, reference):
     assert "".join(p.response for p in parts) == reference["raw"].text and parts[-1].eval_count == MAX_TOKENS
     # Ollama streams unless told not to; an empty prompt only "loads" the model (ours is always loaded).
     body = {"model": MODEL, "prompt": RAW_PROMPT, "raw": True, "options": GREEDY}
-    with httpx.stream("POST", server[1] + "/api/generate", json=body, headers=AUTH, timeout=60) as resp:
+    with httpx.stream("POST", server + "/api/generate", json=body, headers=AUTH, timeout=60) as resp:
         assert resp.headers["content-type"] == "application/x-ndjson"
         lines = [json.loads(line) for line in resp.iter_lines() if line]
     assert len(lines) > 2 and lines[-1]["done"] and "".join(x["response"] for x in lines) == reference["raw"].text
@@ -157,7 +130,7 @@ def test_logprobs_equal_the_openai_routes_whole_and_streamed(server, client, ref
     ours = client.chat(model=MODEL, messages=QUESTION, options=GREEDY, logprobs=True, top_logprobs=3)
     body = {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": MAX_TOKENS}
     body |= {"logprobs": True, "top_logprobs": 3}
-    theirs = httpx.post(server[1] + "/v1/chat/completions", json=body, headers=AUTH, timeout=60).json()
+    theirs = httpx.post(server + "/v1/chat/completions", json=body, headers=AUTH, timeout=60).json()
     expected = theirs["choices"][0]["logprobs"]["content"]
     got = [(lp.token, lp.logprob, [(t.token, t.logprob) for t in lp.top_logprobs]) for lp in ours.logprobs]
     tops = [[(t["token"], t["logprob"]) for t in e["top_logprobs"]] for e in expected]
@@ -201,13 +174,13 @@ def test_tags_show_ps_and_version_describe_the_served_model(server, client, engi
     (running,) = client.ps().models
     assert running.model == MODEL and running.context_length == CONTEXT and running.size_vram == 0
     assert running.expires_at.year == 9999
-    assert httpx.get(server[1] + "/api/version", headers=AUTH).json() == {"version": "0.12.6"}
+    assert httpx.get(server + "/api/version", headers=AUTH).json() == {"version": "0.12.6"}
     with pytest.raises(ollama.ResponseError) as missing:
         client.show("llama3")
     assert missing.value.status_code == 404 and "llama3" in missing.value.error
-    embed = httpx.post(server[1] + "/api/embed", json={"model": MODEL, "input": "hi"}, headers=AUTH)
+    embed = httpx.post(server + "/api/embed", json={"model": MODEL, "input": "hi"}, headers=AUTH)
     assert embed.status_code == 501 and "embeddings" in embed.json()["error"]
-    pull = httpx.post(server[1] + "/api/pull", json={"model": "llama3"}, headers=AUTH)
+    pull = httpx.post(server + "/api/pull", json={"model": "llama3"}, headers=AUTH)
     assert pull.status_code == 404 and "/api/chat" in pull.json()["error"]
 
 
@@ -216,7 +189,7 @@ def test_tool_calls_and_results_go_as_on_the_openai_route(server, client):
     options = {"temperature": 0, "num_predict": 100}
     ours = client.chat(model=MODEL, messages=ask, tools=[WEATHER], options=options)
     body = {"model": MODEL, "messages": ask, "tools": [WEATHER], "temperature": 0, "max_tokens": 100}
-    theirs = httpx.post(server[1] + "/v1/chat/completions", json=body, headers=AUTH, timeout=60).json()
+    theirs = httpx.post(server + "/v1/chat/completions", json=body, headers=AUTH, timeout=60).json()
     expected = theirs["choices"][0]["message"]
     calls = [(c.function.name, dict(c.function.arguments)) for c in ours.message.tool_calls or []]
     assert calls == [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in expected["tool_calls"]]
@@ -232,114 +205,5 @@ def test_tool_calls_and_results_go_as_on_the_openai_route(server, client):
     v1_messages = [*ask, {"role": "assistant", "content": None, "tool_calls": [openai_call]}]
     v1_messages.append({"role": "tool", "content": result["content"], "tool_call_id": "get_weather"})
     body = {**body, "messages": v1_messages}
-    theirs = httpx.post(server[1] + "/v1/chat/completions", json=body, headers=AUTH, timeout=60).json()
+    theirs = httpx.post(server + "/v1/chat/completions", json=body, headers=AUTH, timeout=60).json()
     assert followed.message.content == (theirs["choices"][0]["message"]["content"] or "")
-
-
-CHAT, GENERATE = "/api/chat", "/api/generate"
-Q = {"model": MODEL, "messages": QUESTION}
-G = {"model": MODEL, "prompt": "hi"}
-HOSTILE = [  # (path, body, status, a phrase the error must hold)
-    (CHAT, Q | {"options": {"num_gpu": 1}}, 400, "options.num_gpu"),
-    (CHAT, Q | {"options": {"x" * 50_000: 1}}, 400, "options.xxx"),
-    (CHAT, Q | {"options": {"mirostat": 2}}, 400, "options.mirostat"),
-    (CHAT, Q | {"options": {"repeat_last_n": 64}}, 400, "options.repeat_last_n"),
-    (CHAT, Q | {"options": {"num_ctx": 10**6}}, 400, "options.num_ctx"),
-    (CHAT, Q | {"options": {"num_predict": 10**6}}, 400, "options.num_predict"),
-    (CHAT, Q | {"options": {"num_predict": -5}}, 400, "options.num_predict"),
-    (CHAT, Q | {"options": {"temperature": "hot"}}, 400, "options.temperature"),
-    (CHAT, Q | {"options": {"temperature": -1}}, 400, "options.temperature"),
-    (CHAT, Q | {"options": {"top_k": 1.5}}, 400, "options.top_k"),
-    (CHAT, Q | {"options": {"seed": 2**80}}, 400, "options.seed"),
-    (CHAT, Q | {"options": {"stop": ["x"] * 100}}, 400, "options.stop"),
-    (CHAT, Q | {"options": {"stop": [1, 2]}}, 400, "options.stop"),
-    (CHAT, Q | {"options": ["temperature"]}, 400, "options"),
-    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, 400, "images"),
-    (CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
-    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]}, 400, "surrogate"),
-    (CHAT, Q | {"tools": [{"type": "retrieval"}]}, 400, "tools[0]"),
-    (CHAT, Q | {"tools": [WEATHER], "format": "json"}, 400, "tools"),
-    (
-        CHAT,
-        {"model": MODEL, "messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}]},
-        400,
-        "messages[0].tool_calls[0]",
-    ),
-    (CHAT, Q | {"think": True}, 400, "think"),
-    (CHAT, Q | {"top_logprobs": 2}, 400, "top_logprobs"),
-    (CHAT, Q | {"logprobs": True, "top_logprobs": 99}, 400, "top_logprobs"),
-    (CHAT, Q | {"format": "yaml"}, 400, "format"),
-    (CHAT, Q | {"format": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, 400, "format"),
-    (CHAT, Q | {"stream": "yes"}, 400, "stream"),
-    (CHAT, Q | {"temperature": 0}, 400, "temperature"),  # Ollama's is options.temperature: not silently ignored
-    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "hi", "name": "x"}]}, 400, "messages[0].name"),
-    (CHAT, {"model": "llama3", "messages": QUESTION}, 404, "llama3"),
-    (CHAT, {"messages": QUESTION}, 400, "model"),
-    (GENERATE, G | {"template": "{{ .Prompt }}"}, 400, "template"),
-    (GENERATE, G | {"suffix": "end"}, 400, "suffix"),
-    (GENERATE, G | {"context": [1, 2, 3]}, 400, "context"),
-    (GENERATE, G | {"images": ["aGk="]}, 400, "images"),
-    (GENERATE, G | {"raw": True, "system": "be brief"}, 400, "system"),
-    (GENERATE, {"model": MODEL, "prompt": "word " * 4000}, 400, "prompt"),
-    (GENERATE, {"model": MODEL, "prompt": "hi", "system": "word " * 4000}, 400, "prompt"),
-    (GENERATE, {"model": MODEL, "prompt": "x" * (MAX_BODY + 1)}, 413, "larger than"),
-]
-
-
-def test_hostile_inputs_get_4xx_while_a_victim_streams(server, reference):
-    app, base_url = server
-    victim_text: list[str] = []
-    victim_client = ollama.Client(host=base_url, headers=AUTH, timeout=120)
-
-    def victim() -> None:
-        options = {"temperature": 0, "num_predict": VICTIM_TOKENS}
-        for part in victim_client.chat(model=MODEL, messages=VICTIM, options=options, stream=True):
-            victim_text.append(part.message.content)
-
-    thread = threading.Thread(target=victim)
-    thread.start()
-    failures = []
-    with httpx.Client(base_url=base_url, timeout=30, headers=AUTH) as http:
-        for path, body, status, phrase in HOSTILE:
-            resp = http.post(path, content=json.dumps(body))
-            error = resp.json().get("error") if resp.status_code != 200 else None  # a 200 streams NDJSON
-            wrong = not isinstance(error, str) or phrase not in error or len(error) > 1000  # echoes are capped
-            if resp.status_code != status or wrong:
-                failures.append((path, phrase, resp.status_code, resp.text[:200]))
-        for headers, status in (({"Authorization": "Bearer wrong"}, 401), ({"Host": "attacker.example"}, 421)):
-            resp = http.post(CHAT, json=Q, headers=headers)
-            if resp.status_code != status or not isinstance(resp.json().get("error"), str):
-                failures.append((headers, resp.status_code, resp.text[:200]))
-        bad = http.post(CHAT, content=b'{"model": ', headers={"Content-Type": "application/json"})
-        if bad.status_code != 400 or "JSON" not in bad.json()["error"]:
-            failures.append(("bad json", bad.status_code, bad.text[:200]))
-    with pytest.raises(ollama.ResponseError) as keyless:
-        ollama.Client(host=base_url).chat(model=MODEL, messages=QUESTION)
-    thread.join(120)
-    assert not failures
-    assert keyless.value.status_code == 401 and "API key" in keyless.value.error
-    assert "".join(victim_text) == reference["victim"]
-    stats = wait_idle(app)
-    assert stats["kv_blocks_used"] == 0 and app.state.async_engine.num_in_flight == 0
-
-
-def test_queue_limit_and_disconnects_hold_on_the_ollama_routes(server):
-    app, base_url = server
-    story = {"model": MODEL, "options": {"temperature": 0, "num_predict": 300}}  # a long answer: it outlives the test
-    long_generate = story | {"prompt": VICTIM[0]["content"]}
-    with httpx.Client(base_url=base_url, headers=AUTH, timeout=60) as http:
-        with (
-            http.stream("POST", GENERATE, json=long_generate) as first,
-            http.stream("POST", CHAT, json=story | {"messages": VICTIM}) as second,
-        ):
-            readers = [first.iter_lines(), second.iter_lines()]  # kept: a dropped reader closes its stream
-            assert all(json.loads(next(lines))["done"] is False for lines in readers)
-            refused = http.post(CHAT, json=Q | {"options": {"num_predict": 2}})
-            assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
-            assert "--max-queued-seqs" in refused.json()["error"]
-        # both streams closed mid-answer: their requests are aborted and their blocks freed
-        assert wait_idle(app)["kv_blocks_used"] == 0
-        with pytest.raises(httpx.ReadTimeout):
-            http.post(GENERATE, json=long_generate | {"stream": False}, timeout=1.0)
-    stats = wait_idle(app)
-    assert stats["kv_blocks_used"] == 0 and app.state.async_engine.num_in_flight == 0
