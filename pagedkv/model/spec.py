@@ -119,9 +119,10 @@ class ModelSpec:
             rotary_dim=_rotary_dim(config, model_type, head_dim),
         )
         if model_type == "gemma3_text":
-            fields = _gemma3_fields(config, attention_bias, min(max_positions, max_model_len or max_positions))
-            for rope in (fields["rope"], fields["local_rope"]):
-                _check_rope(rope, head_dim)
+            served = min(max_positions, max_model_len or max_positions)
+            fields = _gemma3_fields(config, attention_bias, served)
+            for key in ("rope", "local_rope"):
+                fields[key] = _served_rope(fields[key], common["rotary_dim"], served)
             return cls(**common, **fields)
         served = min(max_positions, _context_window(config) or max_positions, max_model_len or max_positions)
         return cls(
@@ -161,16 +162,12 @@ def _rotary_dim(config: Any, model_type: str, head_dim: int) -> int:
     return rotary_dim
 
 
-def _check_rope(rope: dict[str, Any], rotary_dim: int) -> None:
-    problem = check_rope(rope, rotary_dim)
-    if problem is not None:
-        raise UnsupportedModelError(f"{problem}: use a model without that RoPE scaling")
-
-
 def _served_rope(rope: dict[str, Any], rotary_dim: int, served: int) -> dict[str, Any]:
     """``rope``, checked, with longrope's factor set decided for the served context: the long factors when it
     exceeds ``original_max_position_embeddings`` (vLLM's rule; rope_scaling.py says why)."""
-    _check_rope(rope, rotary_dim)
+    problem = check_rope(rope, rotary_dim)
+    if problem is not None:
+        raise UnsupportedModelError(f"{problem}: use a model without that RoPE scaling")
     if rope["rope_type"] != "longrope":
         return rope
     original = int(rope["original_max_position_embeddings"])
@@ -186,7 +183,7 @@ def _served_rope(rope: dict[str, Any], rotary_dim: int, served: int) -> dict[str
     return {**rope, "long_context": served > original}
 
 
-def _gemma3_fields(config: Any, attention_bias: bool, max_positions: int) -> dict[str, Any]:
+def _gemma3_fields(config: Any, attention_bias: bool, served: int) -> dict[str, Any]:
     """Gemma 3 (text): every difference from the Llama decoder, read and checked field by field."""
     if getattr(config, "use_bidirectional_attention", False):
         raise UnsupportedModelError("use_bidirectional_attention=True is not supported: pagedkv decodes causally")
@@ -208,7 +205,7 @@ def _gemma3_fields(config: Any, attention_bias: bool, max_positions: int) -> dic
         qkv_bias=attention_bias,
         o_bias=attention_bias,
         qk_norm=True,
-        max_model_len=max_positions,  # windowed layers attend through their window: only the engine's limit caps it
+        max_model_len=served,  # windowed layers attend through their window: only the engine's limit caps it
         rope=_rope_entry(params["full_attention"]),
         local_rope=_rope_entry(params["sliding_attention"]),
         norm_offset=1.0,
