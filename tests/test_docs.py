@@ -82,6 +82,29 @@ def test_every_relative_link_resolves(path):
     assert not broken, f"{path.relative_to(ROOT)}: " + "; ".join(broken)
 
 
+def measured_tables(path: Path) -> list[tuple[int, str]]:
+    """(line number, header) of each table in the file whose rows hold a number, and whose command, a
+    ``benchmarks/`` script or ``pagedkv bench``, is not within the 40 lines before it or the 20 after."""
+    lines = path.read_text().splitlines()
+    missing = []
+    for i, line in enumerate(lines):
+        is_header = line.startswith("|") and i + 1 < len(lines) and re.match(r"\|[-:| ]+\|$", lines[i + 1])
+        if not is_header:
+            continue
+        end = next((k for k in range(i + 2, len(lines)) if not lines[k].startswith("|")), len(lines))
+        if not any(re.search(r"\d", row) for row in lines[i + 2 : end]):
+            continue
+        near = "\n".join(lines[max(0, i - 40) : end + 20])
+        if "benchmarks/" not in near and "pagedkv bench" not in near:
+            missing.append((i + 1, line[:80]))
+    return missing
+
+
+@pytest.mark.parametrize("name", ["README.md", "docs/performance.md"])
+def test_every_table_of_measurements_has_its_command(name):
+    assert measured_tables(ROOT / name) == []
+
+
 def test_the_link_checker_sees_a_broken_link(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("# Title\n\n[ok](#title) [gone](missing.md) `[code](not-a-link.md)`\n```\n[x](fenced.md)\n```\n")
