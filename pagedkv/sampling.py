@@ -51,6 +51,9 @@ def _check_range(name: str, value: float, lo: float, hi: float, *, hint: str = "
         raise InvalidParameter(name, f"{name} must be in [{lo}, {hi}], got {value!r}" + (f" ({hint})" if hint else ""))
 
 
+POOLING_METHODS = ("last", "mean")  # see pagedkv.engine.pooling
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request sampling and stopping settings.
@@ -69,6 +72,8 @@ class SamplingParams:
     first (vLLM's name): the log-probability the model gave it, its rank, and the top-N (0..20).
     structured_outputs: a grammar the output must follow (`pagedkv.structured.StructuredOutputsParams`, or
     a dict of its fields); the logprobs of such a request are those of the constrained distribution.
+    pooling: "last" or "mean" makes the request an embedding (`pagedkv.engine.pooling`): its prompt's final
+    hidden states pooled into one L2-normalised vector, nothing sampled (max_tokens must be 0, n 1).
 
     Every value these checks accept is safe for the sampler in float32 (see the bounds above); whether
     min_tokens leaves any token to sample depends on the model, so `verify_for_model` checks that.
@@ -93,6 +98,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | dict | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    pooling: str | None = None
     # Derived from stop_token_ids at creation: the engine asks "is this token a stop id?" every step, and a
     # list makes that O(len) for a request that sends a long one.
     stop_token_id_set: frozenset[int] = field(init=False, repr=False, compare=False)
@@ -117,6 +123,21 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParameter(name, f"{name} must be a bool, got {getattr(self, name)!r}")
+        self._validate_pooling()
+
+    def _validate_pooling(self) -> None:
+        """An embedding samples nothing, so every setting about sampled tokens would be silently unused."""
+        if self.pooling is None:
+            return
+        if self.pooling not in POOLING_METHODS:
+            raise InvalidParameter("pooling", f"pooling must be None or one of {POOLING_METHODS}, got {self.pooling!r}")
+        if self.max_tokens != 0 or self.n != 1:
+            raise InvalidParameter(
+                "pooling",
+                f"an embedding (pooling) samples nothing: set max_tokens=0 and n=1, got {self.max_tokens} and {self.n}"
+            )
+        if self.prompt_logprobs is not None or self.structured_outputs is not None:
+            raise InvalidParameter("pooling", "pooling cannot be combined with prompt_logprobs or structured_outputs")
 
     def _validate_counts(self) -> None:
         if not _is_int(self.n) or self.n < 1:

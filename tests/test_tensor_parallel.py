@@ -73,7 +73,7 @@ def _rank_checks(rank: int, world: int, init_method: str, model_dir: str, result
         layers: list[torch.Tensor] = []
         for layer in model.layers:
             layer.register_forward_hook(lambda _m, _i, out: layers.append(out.clone()))
-        logits, scores = ModelRunner(model, KVCacheManager(8, BLOCK, False), tp).run(received)
+        logits, scores, _ = ModelRunner(model, KVCacheManager(8, BLOCK, False), tp).run(received)
         results.put((rank, x, expected_sum, received, layers, logits, scores))
         if tp.is_driver:
             wire.send_stop(tp)
@@ -107,7 +107,7 @@ def test_collectives_step_broadcast_and_identical_hidden_states_on_3_ranks(tiny)
     reference_layers: list[torch.Tensor] = []
     for layer in whole.layers:
         layer.register_forward_hook(lambda _m, _i, out: reference_layers.append(out.clone()))
-    reference_logits, reference_scores = ModelRunner(whole, KVCacheManager(8, BLOCK, False)).run(STEP)
+    reference_logits, reference_scores, _ = ModelRunner(whole, KVCacheManager(8, BLOCK, False)).run(STEP)
     _, x0, expected_sum, _, layers0, logits0, scores0 = ranks[0]
     torch.testing.assert_close(x0, expected_sum)
     for rank, x, _, received, layers, _, scores in ranks:

@@ -92,7 +92,7 @@ class EngineCore:
             _apply_grammar_masks(result.logits, rows, masks)
         out, sampling_failed = self._sample(result.logits, rows)
         outputs = self.scheduler.update_from_output(
-            step, result.sampled, out, failed | sampling_failed, result.prompt_logprobs
+            step, result.sampled, out, failed | sampling_failed, result.prompt_logprobs, result.pooled
         )
         self.history.offer(self.stats)
         return outputs

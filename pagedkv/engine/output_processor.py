@@ -69,6 +69,7 @@ class GroupState:
     # prefill chunks are scored; every output carries the list (not a copy) once every position has one
     prompt_logprobs: list[PromptLogprob | None] | None = None
     prompt_logprobs_ready: bool = False
+    embedding: list[float] | None = None  # with SamplingParams.pooling, once the prompt is done
 
     @property
     def finished(self) -> bool:
@@ -147,6 +148,7 @@ class OutputProcessor:
             touched[group.group_id] = group
             group.num_cached_tokens = core.num_cached_tokens
             group.cache_miss_reason = core.cache_miss_reason or group.cache_miss_reason
+            group.embedding = core.embedding or group.embedding
             if core.prompt_logprobs is not None and group.prompt_logprobs is not None:
                 start, entries = core.prompt_logprobs  # a prompt scored again after a preemption: same values
                 group.prompt_logprobs[start : start + len(entries)] = entries
@@ -240,4 +242,5 @@ def _build_output(group: GroupState) -> RequestOutput:
         error=INTERNAL_ERROR if any(s.finish_reason == "error" for s in group.samples) else None,
         prompt_logprobs=group.prompt_logprobs if group.prompt_logprobs_ready else None,
         cache_miss_reason=group.cache_miss_reason,
+        embedding=group.embedding,
     )

@@ -61,6 +61,9 @@ class Request:
     # The group's first sample, when it scores the prompt: the other samples start once it has, so every
     # sample's first output comes with the prompt logprobs (and they hit its blocks in the cache).
     scorer: Request | None = None
+    # with SamplingParams.pooling: the final hidden states of the prompt positions it pools, [positions, hidden]
+    # (pagedkv.engine.pooling), filled chunk by chunk
+    pooled_rows: torch.Tensor | None = None
     grammar: Any = None  # an llguidance matcher with structured_outputs (pagedkv.structured), else None
     block_keys: list[BlockKey] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
@@ -145,6 +148,7 @@ class CoreOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     # prompt logprobs computed this step: (position of the first one, one entry per position from there)
     prompt_logprobs: tuple[int, list[PromptLogprob]] | None = None
+    embedding: list[float] | None = None  # with SamplingParams.pooling, once the prompt is done
 
     @classmethod
     def of(cls, request: Request, new_token_ids: list[int]) -> CoreOutput:
@@ -200,6 +204,7 @@ class RequestOutput:
     error: str | None = None
     prompt_logprobs: list[PromptLogprob | None] | None = None
     cache_miss_reason: str | None = None
+    embedding: list[float] | None = None  # with SamplingParams.pooling: the pooled, normalised prompt
 
     @property
     def text(self) -> str:

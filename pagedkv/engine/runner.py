@@ -12,10 +12,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pagedkv.engine.pooling import kept_positions
 from pagedkv.engine.request import PromptLogprob
 from pagedkv.engine.scheduler import SchedulerOutput
 from pagedkv.engine.scoring import ROWS_PER_SLICE, score_rows
-from pagedkv.engine.step_inputs import ScoredRange, StepInputs
+from pagedkv.engine.step_inputs import PooledRange, ScoredRange, StepInputs
 from pagedkv.kv import ops
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.parallel import wire
@@ -35,6 +36,7 @@ class StepResult:
     logits: Tensor  # [rows to sample, vocab]
     sampled: list[tuple[int, int]]  # (index in step.scheduled, rows), in row order
     prompt_logprobs: dict[int, tuple[int, list[PromptLogprob]]]  # index -> (first position, entries)
+    pooled: dict[int, tuple[int, Tensor]]  # index -> (first position, final hidden states kept for pooling)
 
 
 class ModelRunner:
@@ -77,15 +79,15 @@ class ModelRunner:
         """
         inputs, sampled = self.prepare(step)
         if self.workers is None:
-            logits, prompt_logprobs = self.run(inputs)
+            logits, prompt_logprobs, pooled = self.run(inputs)
         else:
             self.workers.check()
             try:
                 wire.send_step(self.tp, inputs)
-                logits, prompt_logprobs = self.run(inputs)
+                logits, prompt_logprobs, pooled = self.run(inputs)
             except RuntimeError as exc:
                 raise self.workers.failure(exc) from exc  # a rank died, or hangs past the step timeout
-        return StepResult(logits, sampled, prompt_logprobs)
+        return StepResult(logits, sampled, prompt_logprobs, pooled)
 
     def prepare(self, step: SchedulerOutput) -> tuple[StepInputs, list[tuple[int, int]]]:
         """The step's flat inputs, and ``(index in step.scheduled, rows)`` of each request sampled."""
@@ -105,6 +107,10 @@ class ModelRunner:
                 # rows of this chunk inside the prefix-cache hit: a chunk may end before the hit does
                 shared = min(request.num_hit_tokens, start + s.num_new_tokens) - start
                 inputs.shared_rows.extend(range(first_row, first_row + max(0, shared)))
+            if request.params.pooling is not None:
+                kept = kept_positions(request.params.pooling, request.num_prompt_tokens, start, end)
+                if kept:
+                    inputs.pooled.append(PooledRange(i, first_row + kept.start - start, kept.start, len(kept)))
             inputs.positions.extend(range(start, end))
             inputs.block_tables.append(self.kv.block_table(request.request_id))
             inputs.query_lens.append(s.num_scheduled_tokens)
@@ -116,8 +122,11 @@ class ModelRunner:
         return inputs, sampled
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> tuple[Tensor, dict[int, tuple[int, list[PromptLogprob]]]]:
-        """The logits of the sampled rows, and the prompt logprobs of each scored range by request index.
+    def run(
+        self, inputs: StepInputs
+    ) -> tuple[Tensor, dict[int, tuple[int, list[PromptLogprob]]], dict[int, tuple[int, Tensor]]]:
+        """The logits of the sampled rows, and by request index the prompt logprobs of each scored range and
+        the final hidden states of each pooled range.
 
         On a tensor-parallel worker the logits are its vocabulary slice and nothing is scored: it only takes
         part in the same collectives, in the same order, as rank 0.
@@ -128,16 +137,20 @@ class ModelRunner:
         if inputs.shared_rows:
             meta.slot_mapping[inputs.shared_rows] = ops.PAD_SLOT
         scoring_rows = [r.first_row + i for r in inputs.scored for i in range(len(r.targets))]
+        pooled_rows = [r.first_row + i for r in inputs.pooled for i in range(r.count)]
         hidden = self.model.hidden_states(
             torch.tensor(inputs.input_ids, dtype=torch.int64),
             torch.tensor(inputs.positions, dtype=torch.int64),
             meta,
             self.kv_caches,
-            torch.tensor(inputs.sampled_rows + scoring_rows, dtype=torch.int64),
+            torch.tensor(inputs.sampled_rows + scoring_rows + pooled_rows, dtype=torch.int64),
         )
-        logits = self.model.compute_logits(hidden[: len(inputs.sampled_rows)])
+        num_sampled, num_scoring = len(inputs.sampled_rows), len(scoring_rows)
+        logits = self.model.compute_logits(hidden[:num_sampled])
+        pooled_hidden = hidden[num_sampled + num_scoring :].split([r.count for r in inputs.pooled])
+        pooled = {r.index: (r.first_position, rows.clone()) for r, rows in zip(inputs.pooled, pooled_hidden)}
         prompt_logprobs: dict[int, tuple[int, list[PromptLogprob]]] = {}
-        scored_rows = hidden[len(inputs.sampled_rows) :].split([len(r.targets) for r in inputs.scored])
+        scored_rows = hidden[num_sampled : num_sampled + num_scoring].split([len(r.targets) for r in inputs.scored])
         for scored, rows in zip(inputs.scored, scored_rows, strict=True):
             if self.tp.is_driver:
                 entries = score_rows(self.model.compute_logits, rows, scored.targets, scored.top)
@@ -145,4 +158,4 @@ class ModelRunner:
             else:  # the same LM-head gathers as rank 0's score_rows, a slice at a time
                 for first in range(0, len(rows), ROWS_PER_SLICE):
                     self.model.compute_logits(rows[first : first + ROWS_PER_SLICE])
-        return logits, prompt_logprobs
+        return logits, prompt_logprobs, pooled

@@ -25,13 +25,18 @@ import heapq
 import logging
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedkv.engine import speculative
 from pagedkv.engine.admission import SCORED_ROW_COST, FairShare, PrefillBudget  # noqa: F401 - re-exported
+from pagedkv.engine.pooling import keep, needs_every_row, pool
 from pagedkv.engine.request import CoreOutput, PromptLogprob, Request
 from pagedkv.kv.hashing import BlockKey
 from pagedkv.kv.manager import KVCacheManager, PrefixHit
 from pagedkv.sampler import SamplerOutput
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +235,7 @@ class Scheduler:
                 continue
             # Scoring the prompt needs every position's logits: its prefill starts at 0 over the cached
             # blocks (their K/V is read, not written again), as much work as a cold run and never more.
-            start = 0 if request.scores_prompt else hit.num_tokens
+            start = 0 if request.scores_prompt or needs_every_row(request.params.pooling) else hit.num_tokens
             num_new = min(request.num_tokens - start, budget, prefill.chunk(request, start))
             if num_new == 0 or not self._allocate(request, max(hit.num_tokens, start + num_new), prefix=hit):
                 break
@@ -277,13 +282,15 @@ class Scheduler:
         out: SamplerOutput,
         failed: set[str],
         prompt_logprobs: dict[int, tuple[int, list[PromptLogprob]]],
+        pooled: dict[int, tuple[int, Tensor]] | None = None,
     ) -> list[CoreOutput]:
         """Advance every scheduled request by what the step computed and sampled; one CoreOutput each.
 
         ``sampled``: ``(index in step.scheduled, rows)`` of the requests that got logits rows, in row order
         (``rows`` is 1 + drafts). ``failed``: ids whose rows could not be sampled. ``prompt_logprobs``: by
-        index in step.scheduled, the prompt logprobs computed for it (the runner's). A request whose update
-        raises is stopped with "error" alone; the others go on.
+        index in step.scheduled, the prompt logprobs computed for it (the runner's); ``pooled`` likewise the
+        final hidden states its pooling keeps. A request whose update raises is stopped with "error" alone;
+        the others go on.
         """
         rows_of: dict[int, tuple[int, int]] = {}
         row = 0
@@ -298,13 +305,26 @@ class Scheduler:
             try:
                 if request.request_id in failed:
                     raise RuntimeError("sampling failed")
+                embedding = self._pool(request, s, pooled.get(i) if pooled else None)
                 core = self._advance(s, rows_of.get(i), out)
                 core.prompt_logprobs = prompt_logprobs.get(i)
+                core.embedding = embedding
                 outputs.append(core)
             except Exception:
                 logger.exception("request %s failed; stopping it", request.request_id)
                 outputs.append(self.fail(request))
         return outputs
+
+    @staticmethod
+    def _pool(request: Request, s: ScheduledRequest, chunk: tuple[int, Tensor] | None) -> list[float] | None:
+        """Keep a pooling request's rows of this step; its embedding once this step completes its prompt
+        (before the request is finished, so a failure here fails it with "error")."""
+        pooling = request.params.pooling
+        if pooling is None or chunk is None:
+            return None
+        request.pooled_rows = keep(request.pooled_rows, pooling, request.num_prompt_tokens, *chunk)
+        done = request.num_computed_tokens + s.num_new_tokens >= request.num_prompt_tokens
+        return pool(pooling, request.pooled_rows) if done else None
 
     def _advance(self, s: ScheduledRequest, rows: tuple[int, int] | None, out: SamplerOutput) -> CoreOutput:
         """Count the step's computed tokens; with logits rows, keep the verified drafts and the new token.

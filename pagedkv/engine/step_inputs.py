@@ -3,7 +3,7 @@ runs, and what rank 0 sends to tensor-parallel workers (``pagedkv.parallel.wire`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -19,6 +19,17 @@ class ScoredRange:
 
 
 @dataclass(slots=True)
+class PooledRange:
+    """Rows ``first_row .. first_row + count`` of one request are the final hidden states of positions
+    ``first_position ..`` that its pooling keeps (``pagedkv.engine.pooling``)."""
+
+    index: int  # in step.scheduled
+    first_row: int
+    first_position: int
+    count: int
+
+
+@dataclass(slots=True)
 class StepInputs:
     """One step as flat lists: all the model needs, and all a tensor-parallel worker receives."""
 
@@ -30,3 +41,6 @@ class StepInputs:
     sampled_rows: list[int]  # rows whose logits are sampled, in order
     shared_rows: list[int]  # rows whose K/V is already in a shared cached block (not written again)
     scored: list[ScoredRange]
+    # rank 0's alone (not sent to tensor-parallel workers): pooled rows only select final hidden states, which
+    # every rank holds whole, so no collective depends on them
+    pooled: list[PooledRange] = field(default_factory=list)

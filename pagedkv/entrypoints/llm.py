@@ -29,6 +29,20 @@ class LLM:
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
 
+    def embed(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        pooling: str = "last",
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        use_tqdm: bool = True,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Embed every prompt: ``output.embedding`` is its final hidden states pooled ("last" token or
+        "mean") and L2-normalised (see :mod:`pagedkv.engine.pooling`); batched and prefix-cached like
+        generation, nothing sampled."""
+        params = SamplingParams(max_tokens=0, pooling=pooling)
+        return self.generate(prompts, params, prompt_token_ids, use_tqdm, cache_salt)
+
     def generate(
         self,
         prompts: str | Sequence[str] | None = None,
