@@ -46,6 +46,7 @@ from pagedkv.entrypoints.responses_api_store import ResponseStore
 from pagedkv.entrypoints.serving import ServingContext
 from pagedkv.entrypoints.serving_chat import create_chat_completion
 from pagedkv.entrypoints.serving_completions import create_completion
+from pagedkv.entrypoints.serving_embeddings import EmbeddingRequest, create_embedding
 from pagedkv.entrypoints.serving_tokenize import add_tokenize_routes
 from pagedkv.entrypoints.tool_calls import template_supports_tools
 
@@ -284,12 +285,18 @@ def build_app(
         body = await bodies.parse(request, ChatCompletionRequest)
         return await create_chat_completion(ctx, body, request)
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        body = await bodies.parse(request, EmbeddingRequest)
+        return await create_embedding(ctx, body, request, engine.runner.model.spec.hidden_size)
+
     add_tokenize_routes(app, ctx, bodies.parse, len(engine.tokenizer), max_model_len)  # /tokenize, /detokenize
     add_ollama_routes(app, ctx, bodies, engine)  # Ollama's API: /api/chat, /api/generate, /api/tags, ...
     store = ResponseStore(limits.max_stored_responses, limits.max_stored_response_bytes)
     config = engine.config
     responses_api = ResponsesAPI(ctx, store, max_model_len, config.block_size, config.enable_prefix_caching)
     add_responses_routes(app, responses_api, bodies.parse)  # POST /v1/responses, GET and DELETE /v1/responses/{id}
+
     return app
 
 

@@ -196,16 +196,7 @@ class CompletionRequest(_SamplingRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, value: Any) -> Any:
-        """Check the union's shape in one pass: a list of 100 k bad items is one error, not 300 k."""
-        if isinstance(value, str):
-            return value
-        if not isinstance(value, list):
-            raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of those")
-        if all(isinstance(p, str) for p in value) or all(_is_int(t) for t in value):
-            return value
-        if all(isinstance(p, list) and all(_is_int(t) for t in p) for p in value):
-            return value
-        raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of those")
+        return prompt_shape(value, "prompt")
 
     def to_sampling_params(self) -> SamplingParams:
         """``echo`` with ``logprobs: k`` scores the prompt too: that is the evaluation harnesses' call
@@ -217,6 +208,19 @@ class CompletionRequest(_SamplingRequest):
                 self.logprobs if k is None or min(k, self.logprobs) < 0 else max(k, self.logprobs)
             )
         return sampling_params(self.sampling_kwargs() | extra)
+
+
+def prompt_shape(value: Any, name: str) -> Any:
+    """Check a prompt union's shape (text, texts, token ids, lists of token ids) in one pass: a list of 100 k
+    bad items is one error, not 300 k."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        if all(isinstance(p, str) for p in value) or all(_is_int(t) for t in value):
+            return value
+        if all(isinstance(p, list) and all(_is_int(t) for t in p) for p in value):
+            return value
+    raise ValueError(f"{name} must be a string, a list of strings, a list of token ids or a list of those")
 
 
 class ChatMessage(BaseModel):
