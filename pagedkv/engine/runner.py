@@ -7,7 +7,7 @@ never does index math per layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -36,7 +36,8 @@ class StepResult:
     logits: Tensor  # [rows to sample, vocab]
     sampled: list[tuple[int, int]]  # (index in step.scheduled, rows), in row order
     prompt_logprobs: dict[int, tuple[int, list[PromptLogprob]]]  # index -> (first position, entries)
-    pooled: dict[int, tuple[int, Tensor]]  # index -> (first position, final hidden states kept for pooling)
+    # index -> (first position, the final hidden states its pooling keeps)
+    pooled: dict[int, tuple[int, Tensor]] = field(default_factory=dict)
 
 
 class ModelRunner:
