@@ -124,3 +124,18 @@ def test_the_docs_site_builds_strictly(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert (tmp_path / "site" / "api" / "engine" / "index.html").exists()  # the docstrings were rendered
+
+
+@pytest.mark.skipif(importlib.util.find_spec("yaml") is None, reason="PyYAML is not installed (mkdocs brings it)")
+def test_every_page_is_in_the_nav_once():
+    import yaml
+
+    def pages(entries) -> list[str]:
+        out = []
+        for entry in entries:
+            value = next(iter(entry.values())) if isinstance(entry, dict) else entry
+            out += pages(value) if isinstance(value, list) else [value]
+        return out
+
+    listed = pages(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"])
+    assert sorted(p for p in set(listed) if listed.count(p) > 1) == [], "pages listed twice in mkdocs.yml's nav"
