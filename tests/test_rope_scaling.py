@@ -11,6 +11,7 @@ file, whose scaling is a tensor of divisors. Phi-3's longrope end to end is in t
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config, Qwen2Con
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.model import gguf_rope
 from pagedkv.model.gguf_file import GGUFError
 from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.rope_scaling import rope_frequencies
@@ -225,3 +227,11 @@ def test_rope_freqs_that_are_not_llama3s_are_refused_by_name(tmp_path):
     path = save_tiny_gguf(tmp_path / "other.gguf", T.Q8_0, "llama", rope_theta=500000.0, rope_scaling=other)
     with pytest.raises(GGUFError, match="rope_freqs.weight"):
         LLM(model=str(path), num_kv_blocks=16)
+
+
+@pytest.mark.parametrize("kind", ["yarn", "linear"])
+def test_rope_scaling_keys_of_a_gguf_file_are_refused_by_name(kind):
+    """transformers' conversion would drop them: the file would run with plain RoPE."""
+    file = SimpleNamespace(architecture="qwen2", metadata={"qwen2.rope.scaling.type": kind}, tensors={}, path="q.gguf")
+    with pytest.raises(GGUFError, match=f"qwen2.rope.scaling.type='{kind}'"):
+        gguf_rope.complete_config(file, _qwen2(None))

@@ -9,6 +9,7 @@ silently left out, and a Llama 3.2 or Phi-3.5 file would run with plain RoPE. :f
   keeps no key for them. Every Llama 3.x checkpoint uses 1, 4 and 8,192 for the last three and ``factor`` is
   the largest divisor: the parameters are taken as those when they give back the file's divisors exactly
   (to fp32 rounding), and the file is refused, naming the tensor, when they do not.
+- ``{arch}.rope.scaling.type`` (linear, yarn set by hand on a Llama or Qwen file): refused, naming the key.
 - ``phi3`` files: the rotated dimensions (``rope.dimension_count``: Phi-4-mini's partial rotary), the
   original context, the window, and for longrope its attention factor and the two factor sets as the
   ``rope_factors_long`` / ``rope_factors_short`` tensors.
@@ -33,6 +34,13 @@ _LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_positi
 
 def complete_config(gguf: GGUFFile, config: Any) -> None:
     """Set in ``config`` (transformers' conversion of ``gguf``'s metadata) the RoPE that conversion leaves out."""
+    scaling = gguf.metadata.get(f"{gguf.architecture}.rope.scaling.type")
+    if scaling not in (None, "none") and gguf.architecture != "phi3":
+        raise GGUFError(
+            f"{gguf.path}: {gguf.architecture}.rope.scaling.type={scaling!r}: pagedkv does not read RoPE scaling "
+            "from a GGUF file's keys (nor does transformers' conversion); run the model's HF directory, whose "
+            "config.json rope_scaling it reads"
+        )
     if gguf.architecture == "phi3":
         _phi3(gguf, config)
     if LLAMA3_FREQS in gguf.tensors:
