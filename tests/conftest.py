@@ -53,6 +53,7 @@ FAST_FILES = {
     "test_prefix_affinity.py": 0.0,
     "test_prefix_cache_scenarios.py": 0.0,
     "test_reasoning.py": 4.8,
+    "test_rooms.py": 2.5,
     "test_replica_options.py": 5.2,
     "test_routing_keys.py": 5.5,
     "test_runner.py": 3.2,

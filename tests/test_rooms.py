@@ -1,0 +1,134 @@
+"""The package's rooms and the arrows between them: a module imports only from its own room or a lower one.
+
+The rooms, bottom to top, follow the layers of docs/architecture.md: the small pure-Python pieces everything
+uses; the engine's configuration; sampling parameters and the sampler; the compiled kernels; the KV cache; the
+attention backends; tensor-parallel comms; the model; the engine; the entry points. An arrow that runs up ties a
+lower room to everything above it (reading the config loaded torch and the kernels), so the scan below fails on
+any new one. The arrows that run up today are listed in ``PENDING_UPWARD`` with the reason each is still there;
+the list only shrinks. ``pagedkv/__init__.py`` is the package's lazy public face and may name any room.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "pagedkv"
+
+# Bottom to top. A room is a subpackage or a group of the package root's loose modules.
+ROOMS: list[tuple[str, set[str]]] = [
+    ("foundation", {"errors", "extension", "json_text", "lark_base_case", "grammar_probe", "reasoning_grammar"}),
+    ("config", {"config"}),
+    ("sampling", {"structured", "sampling", "sampler"}),
+    ("kernels", {"kernels"}),
+    ("kv", {"kv", "kv_map"}),
+    ("attention", {"attention"}),
+    ("parallel", {"parallel"}),
+    ("model", {"model"}),
+    ("engine", {"engine"}),
+    ("entrypoints", {"entrypoints"}),
+]
+RANK = {top: rank for rank, (_, tops) in enumerate(ROOMS) for top in tops}
+ROOM_NAME = {top: name for name, tops in ROOMS for top in tops}
+
+# (importing module, imported module): why the upward arrow is still there. Remove an entry with its arrow.
+PENDING_UPWARD: dict[tuple[str, str], str] = {
+    ("pagedkv.config", "pagedkv.attention.backend"): "the allowed attention backends are listed there",
+    ("pagedkv.config", "pagedkv.kv.ops"): "the allowed KV cache dtypes are listed there",
+    ("pagedkv.config", "pagedkv.model.layers"): "the allowed weight formats are listed there",
+    ("pagedkv.kernels", "pagedkv.kv.ops"): "the KV dtype table the kernels check against lives in kv/ops.py",
+    ("pagedkv.kv.disk_files", "pagedkv.model.checkpoint"): "the safetensors dtype table lives with the loader",
+    ("pagedkv.parallel.wire", "pagedkv.engine.step_inputs"): "the step types and their wire format are apart",
+    ("pagedkv.parallel.workers", "pagedkv.engine.runner"): "a rank's serve loop builds its runner in parallel/",
+    ("pagedkv.parallel.workers", "pagedkv.model.loader"): "a rank's serve loop loads its model in parallel/",
+    ("pagedkv.parallel.workers", "pagedkv.model.spec"): "a rank's serve loop reads the model spec in parallel/",
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(dotted: str) -> bool:
+    relative = Path(*dotted.split(".")[1:]) if "." in dotted else Path()
+    return (PACKAGE / relative).with_suffix(".py").is_file() or (PACKAGE / relative / "__init__.py").is_file()
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every pagedkv module the file imports, at the top or inside a function (a lazy import is an arrow too)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            for alias in node.names:  # `from pagedkv import kernels` imports a module, not the package face
+                found.add(f"{base}.{alias.name}" if _is_module(f"{base}.{alias.name}") else base)
+    return {m for m in found if m == "pagedkv" or m.startswith("pagedkv.")}
+
+
+def _top(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None  # None: the package face itself
+
+
+def _arrows() -> dict[tuple[str, str], None]:
+    arrows: dict[tuple[str, str], None] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = _module_name(path)
+        if source == "pagedkv":
+            continue  # the lazy public face
+        for target in sorted(_imported_modules(path)):
+            if _top(target) is not None and _top(target) != _top(source):
+                arrows[(source, target)] = None
+    return arrows
+
+
+def test_every_module_has_a_room():
+    tops = {_top(_module_name(p)) for p in PACKAGE.rglob("*.py")} - {None}
+    assert tops - RANK.keys() == set(), "place these modules in a room in ROOMS"
+
+
+def test_no_arrow_runs_up_a_room():
+    upward = {(source, target) for source, target in _arrows() if RANK[_top(target)] > RANK[_top(source)]}
+    new = sorted(upward - PENDING_UPWARD.keys())
+    assert not new, f"imports from a higher room (move the shared piece down instead): {new}"
+    gone = sorted(PENDING_UPWARD.keys() - upward)
+    assert not gone, f"these arrows are gone: remove them from PENDING_UPWARD: {gone}"
+
+
+def test_no_cycle_between_rooms():
+    """Apart from the pending arrows, the rooms' arrows form no cycle, whatever order ROOMS lists them in.
+
+    A second check beside the rank test: moving a room in ROOMS to make a new arrow legal still fails here if
+    the arrow closes a loop. (The pending arrows close loops today: engine -> parallel -> engine is the one
+    real cycle, through parallel/workers.py's serve loop.)
+    """
+    edges = {(ROOM_NAME[_top(s)], ROOM_NAME[_top(t)]) for s, t in _arrows() if (s, t) not in PENDING_UPWARD}
+    remaining = {name for name, _ in ROOMS}
+    while remaining:  # peel off rooms that nothing left imports; a cycle never peels
+        free = {r for r in remaining if not any(a in remaining and b == r and a != r for a, b in edges)}
+        assert free, f"a loop of imports runs among these rooms: {sorted(remaining)}"
+        remaining -= free
+
+
+@pytest.mark.parametrize(
+    ("module", "imported"),
+    [
+        ("pagedkv.engine.runner", "pagedkv.kv.manager"),  # from pagedkv.kv.manager import ...
+        ("pagedkv.model.panel", "pagedkv.kernels"),  # from pagedkv import kernels
+        ("pagedkv.kv.ops", "pagedkv.kv.reference"),  # inside a function
+    ],
+)
+def test_the_scan_sees_imports(module, imported):
+    """A guard on the scan itself: it finds arrows written each way the package writes them."""
+    path = PACKAGE / Path(*module.split(".")[1:]).with_suffix(".py")
+    assert imported in _imported_modules(path)
