@@ -169,7 +169,8 @@ def test_tags_show_ps_and_version_describe_the_served_model(server, client, engi
     assert listed.details.format == "gguf" and listed.details.family == "llama"
     assert listed.details.quantization_level == "Q4_1" and listed.details.parameter_size == f"{parameters / 1e6:.2f}M"
     shown = client.show(f"{MODEL}:latest")
-    assert shown.modelinfo["general.parameter_count"] == parameters and shown.capabilities == ["completion", "tools"]
+    assert shown.modelinfo["general.parameter_count"] == parameters
+    assert shown.capabilities == ["completion", "tools", "embedding"]
     assert shown.modelinfo["llama.context_length"] == CONTEXT and shown.template == engine.tokenizer.chat_template
     (running,) = client.ps().models
     assert running.model == MODEL and running.context_length == CONTEXT and running.size_vram == 0
@@ -178,8 +179,6 @@ def test_tags_show_ps_and_version_describe_the_served_model(server, client, engi
     with pytest.raises(ollama.ResponseError) as missing:
         client.show("llama3")
     assert missing.value.status_code == 404 and "llama3" in missing.value.error
-    embed = httpx.post(server + "/api/embed", json={"model": MODEL, "input": "hi"}, headers=AUTH)
-    assert embed.status_code == 501 and "embeddings" in embed.json()["error"]
     pull = httpx.post(server + "/api/pull", json={"model": "llama3"}, headers=AUTH)
     assert pull.status_code == 404 and "/api/chat" in pull.json()["error"]
 
@@ -207,3 +206,24 @@ def test_tool_calls_and_results_go_as_on_the_openai_route(server, client):
     body = {**body, "messages": v1_messages}
     theirs = httpx.post(server + "/v1/chat/completions", json=body, headers=AUTH, timeout=60).json()
     assert followed.message.content == (theirs["choices"][0]["message"]["content"] or "")
+
+
+def test_embed_and_the_older_embeddings_route_give_the_v1_vectors(server, client, engine):
+    texts = ["The lighthouse keeper lit the lamp.", "Fog came in early."]
+    ours = client.embed(model=MODEL, input=texts)
+    body = {"model": MODEL, "input": texts, "encoding_format": "float"}
+    theirs = httpx.post(server + "/v1/embeddings", json=body, headers=AUTH, timeout=60).json()
+    assert [list(v) for v in ours.embeddings] == [d["embedding"] for d in theirs["data"]]
+    assert ours.prompt_eval_count == theirs["usage"]["prompt_tokens"] == sum(len(engine.encode(t)) for t in texts)
+    assert len(ours.embeddings[0]) == engine.runner.model.spec.hidden_size
+    older = client.embeddings(model=f"{MODEL}:latest", prompt=texts[1])
+    assert list(older.embedding) == theirs["data"][1]["embedding"]
+    for extra, name in (
+        ({"truncate": True}, "truncate"),
+        ({"options": {"temperature": 0}}, "temperature"),
+        ({"dimensions": 3}, "dimensions"),
+        ({"input": [""]}, "input"),
+        ({"input": [1, 2]}, "input"),
+    ):
+        refused = httpx.post(server + "/api/embed", json={"model": MODEL, "input": "hi"} | extra, headers=AUTH)
+        assert refused.status_code == 400 and name in refused.json()["error"], (extra, refused.text)

@@ -6,8 +6,8 @@ and generation shares the queue limit, the fair seats and disconnect handling (`
 
 pagedkv serves one model, loaded at start-up and kept until the server stops: /api/tags and /api/ps list
 it, ``keep_alive`` changes nothing, and the routes that manage models (pull, create, copy, delete, push)
-are answered with a 404 that lists the routes this server has. There are no embeddings on this engine, so
-/api/embed and /api/embeddings answer 501 and say so.
+are answered with a 404 that lists the routes this server has. /api/embed and /api/embeddings embed with the
+engine's pooling (``ollama_embed``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,12 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from pagedkv.entrypoints.ollama_embed import (
+    OllamaEmbeddingsRequest,
+    OllamaEmbedRequest,
+    ollama_embed,
+    ollama_embeddings,
+)
 from pagedkv.entrypoints.ollama_protocol import (
     OLLAMA_DEFAULTS,
     OllamaChatRequest,
@@ -43,7 +49,16 @@ if TYPE_CHECKING:
 OLLAMA_API_VERSION = "0.12.6"
 # /api/ps: the model never unloads (Ollama reports a far-future time for keep_alive < 0 too).
 NEVER_EXPIRES = "9999-12-31T23:59:59Z"
-ROUTES = ("/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/ps", "/api/version")
+ROUTES = (
+    "/api/chat",
+    "/api/generate",
+    "/api/embed",
+    "/api/embeddings",
+    "/api/tags",
+    "/api/show",
+    "/api/ps",
+    "/api/version",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +192,8 @@ def add_ollama_routes(app: FastAPI, ctx: ServingContext, bodies: BodyParser, eng
                 "template": facts.template,  # the model's Jinja chat template (Ollama's own are Go templates)
                 "details": facts.details,
                 "model_info": facts.model_info,
-                "capabilities": ["completion", "tools"],  # tools: in the template's format or the generic one
+                # tools: in the template's format or the generic one; embedding: /api/embed pools the hidden states
+                "capabilities": ["completion", "tools", "embedding"],
                 "modified_at": facts.modified_at,
             }
         )
@@ -187,9 +203,14 @@ def add_ollama_routes(app: FastAPI, ctx: ServingContext, bodies: BodyParser, eng
         return JSONResponse({"version": OLLAMA_API_VERSION})
 
     @app.post("/api/embed")
+    async def ollama_embed_route(request: Request) -> Response:
+        body = await bodies.parse(request, OllamaEmbedRequest)
+        return await ollama_embed(ctx, body, request, engine.runner.model.spec.hidden_size)
+
     @app.post("/api/embeddings")
-    async def ollama_embed() -> Response:
-        raise APIError(501, "embeddings are not available on this server: this engine only generates text")
+    async def ollama_embeddings_route(request: Request) -> Response:
+        body = await bodies.parse(request, OllamaEmbeddingsRequest)
+        return await ollama_embeddings(ctx, body, request)
 
     @app.api_route("/api/{route:path}", methods=["GET", "POST", "PUT", "DELETE", "HEAD"])
     async def ollama_unknown(request: Request, route: str) -> Response:

@@ -66,7 +66,7 @@ def is_ollama_path(path: str) -> bool:
     return path.startswith(OLLAMA_PREFIX)
 
 
-def _refuse_unknown(model: BaseModel, where: str) -> None:
+def refuse_unknown(model: BaseModel, where: str) -> None:
     """A 400 for the first field the request model does not declare: as on the /v1 routes, a misspelt option
     must not pass for one that was honoured (Ollama itself ignores unknown fields)."""
     name = next(iter(model.model_extra or {}), None)
@@ -94,7 +94,7 @@ class OllamaMessage(BaseModel):
     tool_name: Any = None
 
     def as_chat_message(self, index: int) -> ChatMessage:
-        _refuse_unknown(self, f"messages[{index}]")
+        refuse_unknown(self, f"messages[{index}]")
         for name, why in (("images", "text only"), ("thinking", "no reasoning output")):
             if getattr(self, name) not in (None, "", []):
                 raise APIError(
@@ -118,7 +118,7 @@ class _OllamaGenerationRequest(BaseModel):
     top_logprobs: StrictInt | None = None
 
     def check_supported(self) -> None:
-        _refuse_unknown(self, "")
+        refuse_unknown(self, "")
         _refuse_set(self, ("think",), "this model has no reasoning output")
 
     def tool_plan(self, native: bool) -> ToolPlan | None:

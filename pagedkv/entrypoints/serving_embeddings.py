@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, field_validator
 from starlette.requests import Request
 from starlette.responses import Response
 
+from pagedkv.engine.prompts import EnginePrompt
 from pagedkv.entrypoints.protocol import APIError, prompt_shape
 from pagedkv.entrypoints.serving import ServingContext, collect
 from pagedkv.entrypoints.serving_completions import completion_prompts
@@ -72,22 +73,29 @@ async def create_embedding(ctx: ServingContext, body: EmbeddingRequest, request:
             param="dimensions",
             code="unsupported_parameter",
         )
-    prompts = completion_prompts(body.input)
-    if len(prompts) > ctx.limits.max_prompts:
-        raise APIError(400, f"{len(prompts)} inputs, at most {ctx.limits.max_prompts}", param="input")
-    params = SamplingParams(max_tokens=0, pooling=body.pooling)
-    stream = await ctx.start("embd", prompts, params, None, "input", stream=False)
-    outputs = await collect(stream, request)
-    data = [Embedding(index=i, embedding=_encoded(o.embedding, body.encoding_format)) for i, o in enumerate(outputs)]
-    usage = EmbeddingUsage(prompt_tokens=stream.prompt_tokens, total_tokens=stream.prompt_tokens)
+    vectors, prompt_tokens = await embed(ctx, completion_prompts(body.input), body.pooling, request)
+    data = [Embedding(index=i, embedding=_encoded(v, body.encoding_format)) for i, v in enumerate(vectors)]
+    usage = EmbeddingUsage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
     response = EmbeddingResponse(data=data, model=ctx.model_name, usage=usage)
     return Response(response.model_dump_json(), media_type="application/json")
 
 
-def _encoded(vector: list[float] | None, encoding_format: str) -> list[float] | str:
-    if vector is None:  # the engine stopped this input alone (its error went to the log)
+async def embed(
+    ctx: ServingContext, prompts: list[EnginePrompt], pooling: str, request: Request
+) -> tuple[list[list[float]], int]:
+    """Every prompt's embedding, in order, and the prompt tokens they took: what /v1/embeddings and Ollama's
+    /api/embed share (at most ``--max-prompts`` inputs, each one engine request with the server's bounds)."""
+    if len(prompts) > ctx.limits.max_prompts:
+        raise APIError(400, f"{len(prompts)} inputs, at most {ctx.limits.max_prompts}", param="input")
+    params = SamplingParams(max_tokens=0, pooling=pooling)
+    stream = await ctx.start("embd", prompts, params, None, "input", stream=False)
+    outputs = await collect(stream, request)
+    if any(o.embedding is None for o in outputs):  # the engine stopped an input alone (its error is logged)
         raise APIError(500, "computing an embedding failed", type="internal_error")
+    return [o.embedding for o in outputs], stream.prompt_tokens
+
+
+def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
     if encoding_format == "float":
         return vector
     return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()  # float32, little-endian
-
