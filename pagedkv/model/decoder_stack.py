@@ -85,6 +85,11 @@ def stack_for(model: nn.Module) -> DecoderStack | None:
             spec.model_type,
         )
         return None
+    if spec.moe is not None:
+        logger.info(
+            "%s layers run as modules: the compiled decoder stack has no mixture-of-experts block", spec.model_type
+        )
+        return None
     if not kernels.portable.available():  # the class's library: the modules' ops load it at their first call
         return None
     for layer in model.layers:

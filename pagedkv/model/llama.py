@@ -35,6 +35,7 @@ from pagedkv.model import gguf_blocks, gguf_weights, int8_linear, panel
 from pagedkv.model.decoder_stack import DecoderStack, stack_for
 from pagedkv.model.gguf_file import GGUFTensor
 from pagedkv.model.layers import WEIGHT_FORMATS, GatedMLP, Linear, LMHead, RMSNorm, empty_parameter
+from pagedkv.model.moe import SparseMoeBlock
 from pagedkv.model.rope import RotaryEmbedding, rotate_heads
 from pagedkv.model.spec import ModelSpec
 from pagedkv.model.weight_names import weight_targets
@@ -100,7 +101,11 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = LlamaAttention(spec, dtype, attention, tp, spec.window(index))
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, dtype, tp, spec.activation)
+        self.mlp: GatedMLP | SparseMoeBlock
+        if spec.moe is not None and spec.moe.is_sparse(index):
+            self.mlp = SparseMoeBlock(spec.hidden_size, spec.moe, dtype, tp)
+        else:
+            self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, dtype, tp, spec.activation)
         self.sandwich = spec.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)

@@ -18,14 +18,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedkv.model.rope import rope_parameters
 from pagedkv.model.rope_scaling import check_rope
 
 logger = logging.getLogger(__name__)
 
+if TYPE_CHECKING:
+    from pagedkv.model.moe_spec import MoESpec
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
+SUPPORTED_MODEL_TYPES += ("qwen2_moe", "qwen3_moe")  # mixture-of-experts (model/moe_spec.py)
 # families whose HF code rotates part of a head when the config's partial_rotary_factor says so (Llama's does not)
 _PARTIAL_ROTARY_TYPES = ("phi3",)
 # the config's activation name -> the gated MLP's activation (``GatedMLP``): silu (SwiGLU) or GeLU-tanh (GeGLU)
@@ -67,6 +71,7 @@ class ModelSpec:
     layer_windows: tuple[int, ...] = ()  # per layer: 0 = full attention, w = keys (p - w, p] only (empty: all 0)
     local_rope: dict[str, Any] | None = None  # RoPE of the windowed layers, where it differs from ``rope``
     fused_checkpoint: bool = False  # the checkpoint holds q|k|v and gate|up as one tensor each (Phi-3)
+    moe: MoESpec | None = None  # the sparse mixture-of-experts layers (model/moe_spec.py), if any
 
     @property
     def softmax_scale(self) -> float:
@@ -124,15 +129,20 @@ class ModelSpec:
             for key in ("rope", "local_rope"):
                 fields[key] = _served_rope(fields[key], common["rotary_dim"], served)
             return cls(**common, **fields)
+        from pagedkv.model.moe_spec import moe_spec  # it imports this module's error type
+
+        qwen2_like = model_type in ("qwen2", "qwen2_moe")  # q/k/v biases (Qwen2-MoE's as ``qkv_bias`` says)
+        qwen2_bias = model_type == "qwen2" or (model_type == "qwen2_moe" and bool(config.qkv_bias))
         served = min(max_positions, _context_window(config) or max_positions, max_model_len or max_positions)
         return cls(
             **common,
-            qkv_bias=attention_bias or model_type == "qwen2",
-            o_bias=attention_bias and model_type != "qwen2",
-            qk_norm=model_type == "qwen3",
+            qkv_bias=attention_bias or qwen2_bias,
+            o_bias=attention_bias and not qwen2_like,
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             max_model_len=served,
             rope=_served_rope(rope_parameters(config), common["rotary_dim"], served),
             fused_checkpoint=model_type == "phi3",
+            moe=moe_spec(config),
         )
 
 

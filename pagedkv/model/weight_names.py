@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from pagedkv.model.gguf_file import GGUFTensor
+from pagedkv.model.moe import SparseMoeBlock
 from pagedkv.parallel.group import TensorParallel
 
 if TYPE_CHECKING:
@@ -51,10 +52,15 @@ def weight_targets(model: LlamaForCausalLM) -> dict[str, WeightLoader]:
             ("self_attn.k_proj", attn.qkv_proj, q_size, columns, columns, spec.qkv_bias),
             ("self_attn.v_proj", attn.qkv_proj, q_size + kv_size, columns, columns, spec.qkv_bias),
             ("self_attn.o_proj", attn.o_proj, 0, rows, once, spec.o_bias),
-            ("mlp.gate_proj", mlp.gate_up_proj, 0, columns, columns, spec.mlp_bias),
-            ("mlp.up_proj", mlp.gate_up_proj, mlp.intermediate, columns, columns, spec.mlp_bias),
-            ("mlp.down_proj", mlp.down_proj, 0, rows, once, spec.mlp_bias),
         ]
+        if isinstance(mlp, SparseMoeBlock):  # a mixture-of-experts layer names its own (never sharded) weights
+            targets.update(mlp.weight_targets(prefix + "mlp."))
+        else:
+            fused += [
+                ("mlp.gate_proj", mlp.gate_up_proj, 0, columns, columns, spec.mlp_bias),
+                ("mlp.up_proj", mlp.gate_up_proj, mlp.intermediate, columns, columns, spec.mlp_bias),
+                ("mlp.down_proj", mlp.down_proj, 0, rows, once, spec.mlp_bias),
+            ]
         for name, linear, offset, weight_shard, bias_shard, has_bias in fused:
             targets[f"{prefix}{name}.weight"] = weight_shard(partial(linear.load_part, "weight", offset))
             if has_bias:
