@@ -98,7 +98,7 @@ class SparseMoeBlock(nn.Module):
     def _add_shared_expert(self, x: Tensor, out: Tensor) -> Tensor:
         if self.shared_expert is None:
             return out
-        return out.add_(torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x))
+        return out.add_(_sigmoid_per_row(self.shared_expert_gate(x)) * self.shared_expert(x))
 
     def weight_targets(self, prefix: str) -> dict[str, WeightLoader]:
         """HF checkpoint name (``prefix`` is the layer's ``...mlp.``) -> loader into this block's parameters."""
@@ -112,6 +112,18 @@ class SparseMoeBlock(nn.Module):
             targets[f"{name}up_proj.weight"] = partial(mlp.gate_up_proj.load_part, "weight", mlp.intermediate)
             targets[f"{name}down_proj.weight"] = partial(mlp.down_proj.load_part, "weight", 0)
         return targets
+
+
+def _sigmoid_per_row(gate: Tensor) -> Tensor:
+    """``sigmoid(gate)`` for ``gate [T, 1]``, each value's bits independent of ``T``.
+
+    torch computes most of a tensor in SIMD vectors and the last ``len % (2 * lanes)`` values with the scalar
+    formula, which rounds differently (measured: 6e-8 apart), so a token's gate would depend on how many
+    tokens share the step. Each value is placed at the start of its own 64-float row, so every value is
+    computed in a full vector, whatever ``T`` (64 is a multiple of twice the widest vector, 16 floats)."""
+    padded = gate.new_zeros(gate.shape[0], 64)
+    padded[:, :1] = gate
+    return torch.sigmoid(padded)[:, :1]
 
 
 def per_token_loop(block: SparseMoeBlock, x: Tensor) -> Tensor:

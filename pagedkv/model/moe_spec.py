@@ -49,9 +49,9 @@ def moe_spec(config: Any) -> MoESpec | None:
             f"num_experts_per_tok={top_k} exceeds num_experts={num_experts}: a token cannot pick more experts "
             "than there are"
         )
-    shared = 0
+    shared = 0  # a width of 0 adds HF's sigmoid(gate) * 0: exactly nothing
     if model_type == "qwen2_moe":
-        shared = _positive_int(config, "shared_expert_intermediate_size")
+        shared = _positive_int(config, "shared_expert_intermediate_size", allow_zero=True)
     return MoESpec(
         num_experts=num_experts,
         top_k=top_k,
