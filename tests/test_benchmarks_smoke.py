@@ -146,3 +146,13 @@ def test_serving_quick_llama_server(tmp_path):
     (row,) = summary["results"]
     assert row["engine"] == "llama-server -np 4" and row["parallel"] == 4 and row["concurrency"] == 4
     assert row["output_tok_s"] > 0 and 0 < row["output_tokens"] <= 4 * 8
+
+
+def test_moe_layer_quick_json():
+    """The grouped block and the per-token loop ran on the same steps (the script exits if their bits differ)."""
+    summary = run_quick_json("moe_layer.py")
+    assert summary["benchmark"] == "moe_layer" and summary["quick"] is True
+    assert [row["tokens"] for row in summary["rows"]] == [1, 8, 64]
+    for row in summary["rows"]:
+        assert row["experts_read"] <= min(8, row["expert_calls_in_loop"])
+        assert row["grouped_us"] > 0 and row["loop_us"] > 0
