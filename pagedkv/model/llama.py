@@ -2,7 +2,8 @@
 
 What tells the families apart is data in the model's :class:`ModelSpec` (norm form, activation, embedding
 scale, q/k norms, softmax scale, Gemma's four norms a layer, each layer's attention window and RoPE), so one
-class runs them all.
+class runs them all. Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE) swap a layer's MLP for the sparse
+block of ``model/moe.py``, where the spec says so.
 
 A forward pass takes one flat engine step -- ``T`` tokens of many requests, decodes and prefill chunks
 mixed -- plus its :class:`AttentionMetadata` (built by the model's attention backend, the object every

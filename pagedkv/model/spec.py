@@ -9,6 +9,8 @@ embeddings are multiplied by ``sqrt(hidden)`` (``embed_scale``), q/k norms, the 
 base of their own for the windowed ones (``local_rope``). Phi-3 computes the Llama decoder, but its checkpoints
 hold q|k|v and gate|up as one tensor each (``fused_checkpoint``) and Phi-4-mini rotates only part of each head
 (``rotary_dim``); its long-context RoPE (``longrope``) and YaRN are ``rope`` data (``rope_scaling.py``).
+Qwen3-MoE and Qwen2-MoE are Qwen3 and Qwen2 with sparse mixture-of-experts layers, described by
+``moe`` (``model/moe_spec.py``).
 
 Everything is read here, from the HF config, in one place: the model code has no ``getattr`` chains, and a
 config that asks for maths pagedkv does not do fails at once, with the field's name in the message.
