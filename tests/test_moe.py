@@ -10,14 +10,11 @@ batch, chunked, cold and warm (the README's Determinism) on the compiled kernels
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import gguf
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
 
 from pagedkv import LLM, SamplingParams, kernels
 from pagedkv.attention.paged import KernelAttention
@@ -27,8 +24,8 @@ from pagedkv.model.loader import load_model
 from pagedkv.model.moe import SparseMoeBlock, per_token_loop
 from pagedkv.model.spec import ModelSpec, UnsupportedModelError
 from pagedkv.parallel.group import TensorParallel
+from tests.hf_reference import TOL, check_against_hf, hf_logits, random_prompt, save_with_word_tokenizer
 
-TOL = 1e-4
 VOCAB = 256
 FAMILIES = ("qwen3_moe", "qwen2_moe")
 needs_kernels = pytest.mark.skipif(
@@ -69,19 +66,11 @@ def _hf_model(config) -> torch.nn.Module:
     return hf
 
 
-def _save(hf, directory: Path) -> str:
-    hf.save_pretrained(directory)
-    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0").save_pretrained(directory)
-    return str(directory)
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory) -> tuple[torch.nn.Module, str]:
     """(HF model, its checkpoint directory) of one family."""
     hf = _hf_model(_config(request.param))
-    return hf, _save(hf, tmp_path_factory.mktemp(request.param))
+    return hf, save_with_word_tokenizer(hf, tmp_path_factory.mktemp(request.param))
 
 
 def _ours(checkpoint: str, compiled: bool = False) -> LlamaForCausalLM:
@@ -89,13 +78,8 @@ def _ours(checkpoint: str, compiled: bool = False) -> LlamaForCausalLM:
     return load_model(checkpoint, "float32", attention, kernels=compiled).model
 
 
-def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([tokens])).logits[0]
-
-
 def _prompt(seed: int, length: int) -> list[int]:
-    return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return random_prompt(seed, length, VOCAB)
 
 
 def test_spec_reads_which_layers_are_sparse():
@@ -115,16 +99,16 @@ def test_prefill_chunks_and_mixed_steps_match_hf(family, paged_harness, compiled
     ours = _ours(checkpoint, compiled)
     prompt = _prompt(1, 41)
     (whole,) = paged_harness(ours, block_size=4).step([("a", prompt)])
-    torch.testing.assert_close(whole, _hf_logits(hf, prompt), atol=TOL, rtol=0)
+    torch.testing.assert_close(whole, hf_logits(hf, prompt), atol=TOL, rtol=0)
     harness = paged_harness(ours, block_size=4, seed=3)
     chunks = [harness.step([("a", part)])[0] for part in (prompt[:3], prompt[3:20], prompt[20:21], prompt[21:])]
-    torch.testing.assert_close(torch.cat(chunks), _hf_logits(hf, prompt), atol=TOL, rtol=0)
+    torch.testing.assert_close(torch.cat(chunks), hf_logits(hf, prompt), atol=TOL, rtol=0)
     b, c = _prompt(2, 9), _prompt(3, 17)
     mixed = paged_harness(ours, block_size=4, seed=5)
     mixed.step([("b", b[:-1])])
     got = mixed.step([("b", b[-1:]), ("c", c)])
-    torch.testing.assert_close(got[0], _hf_logits(hf, b)[-1:], atol=TOL, rtol=0)
-    torch.testing.assert_close(got[1], _hf_logits(hf, c), atol=TOL, rtol=0)
+    torch.testing.assert_close(got[0], hf_logits(hf, b)[-1:], atol=TOL, rtol=0)
+    torch.testing.assert_close(got[1], hf_logits(hf, c), atol=TOL, rtol=0)
 
 
 def test_greedy_decode_matches_hf_generate(family, paged_harness):
@@ -171,17 +155,6 @@ def test_router_ties_go_to_the_lower_expert_and_weights_follow_the_config(family
     torch.testing.assert_close(weights, torch.full((5, 2), expected))
 
 
-def _check_against_hf(hf, prompts: list[list[int]], outputs) -> None:
-    for prompt, output in zip(prompts, outputs, strict=True):
-        tokens = output.outputs[0].token_ids
-        with torch.no_grad():
-            reference = torch.log_softmax(hf(torch.tensor([prompt + tokens])).logits[0].double(), dim=-1)
-        for step, token in enumerate(tokens):
-            row = reference[len(prompt) + step - 1]
-            assert token == row.argmax().item(), (step, token)
-            assert abs(output.outputs[0].logprobs[step] - row[token].item()) <= TOL
-
-
 @pytest.mark.parametrize("backend", ["gather", "kernel"])
 def test_engine_matches_hf_with_chunks_batches_and_prefix_hits(family, backend):
     """Four prompts in one batch, chunked at 16 tokens a step, twice: the second pass hits the prefix cache."""
@@ -192,9 +165,9 @@ def test_engine_matches_hf_with_chunks_batches_and_prefix_hits(family, backend):
     prompts = [_prompt(20, 5), _prompt(21, 8), _prompt(22, 24), _prompt(23, 45)]
     params = SamplingParams(max_tokens=10, temperature=0, logprobs=1, ignore_eos=True)
     cold = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    _check_against_hf(hf, prompts, cold)
+    check_against_hf(hf, prompts, cold)
     warm = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    _check_against_hf(hf, prompts, warm)
+    check_against_hf(hf, prompts, warm)
     assert [o.outputs[0].token_ids for o in warm] == [o.outputs[0].token_ids for o in cold]
     assert warm[3].num_cached_tokens >= 40
     llm.engine.close()
@@ -269,7 +242,7 @@ def test_bfloat16_weights_stay_close_to_fp32(family, paged_harness):
     assert block.gate.weight.dtype == block.experts[0].gate_up_proj.weight.dtype == torch.bfloat16
     prompt = _prompt(50, 60)
     (got,) = paged_harness(model, block_size=4).step([("a", prompt)])
-    reference = _hf_logits(hf, prompt)
+    reference = hf_logits(hf, prompt)
     assert (got.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
     close_rows = (got - reference).abs().amax(-1) < 0.1 * reference.abs().max()
     assert close_rows.float().mean() >= 0.9
