@@ -1,9 +1,10 @@
-"""Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE) against HF transformers, on tiny random models.
+"""Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral) against HF transformers, on tiny random models.
 
-Each family's model mixes sparse and dense layers (Qwen3-MoE through ``mlp_only_layers``, Qwen2-MoE through
-``decoder_sparse_step``), routes top-2 of 8 experts, with (Qwen3) and without (Qwen2) renormalised router
-weights; Qwen2-MoE adds its gated shared expert. The checkpoints are written by HF's ``save_pretrained``
-(one tensor per expert, as real checkpoints hold them) and read by pagedkv's loader. Pools start as NaN.
+Each model routes top-2 of 8 experts. Qwen3-MoE and Qwen2-MoE mix sparse and dense layers (through
+``mlp_only_layers`` and ``decoder_sparse_step``), with (Qwen3) and without (Qwen2) renormalised router weights;
+Qwen2-MoE adds its gated shared expert; Mixtral is sparse in every layer and names its experts w1/w3/w2. The
+checkpoints are written by HF's ``save_pretrained`` (one tensor per expert, as real checkpoints hold them)
+and read by pagedkv's loader. Pools start as NaN.
 The grouped expert computation is checked against the per-token loop, and a request's bits alone and inside a
 batch, chunked, cold and warm (the README's Determinism) on the compiled kernels.
 """
@@ -14,7 +15,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
 from pagedkv import LLM, SamplingParams, kernels
 from pagedkv.attention.paged import KernelAttention
@@ -27,28 +28,29 @@ from pagedkv.parallel.group import TensorParallel
 from tests.hf_reference import TOL, check_against_hf, hf_logits, random_prompt, save_with_word_tokenizer
 
 VOCAB = 256
-FAMILIES = ("qwen3_moe", "qwen2_moe")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 needs_kernels = pytest.mark.skipif(
     not (kernels.portable.available() and kernels.gemm.available()), reason="the compiled kernels cannot be built here"
 )
 
 
-def _config(family: str, **overrides) -> Qwen3MoeConfig | Qwen2MoeConfig:
+def _config(family: str, **overrides) -> Qwen3MoeConfig | Qwen2MoeConfig | MixtralConfig:
     settings = dict(
         vocab_size=VOCAB,
         hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=48,
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=2,
-        num_experts=8,
         num_experts_per_tok=2,
         max_position_embeddings=512,
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
     )
+    if family == "mixtral":  # every layer sparse, experts as wide as intermediate_size
+        settings |= dict(intermediate_size=48, num_local_experts=8, sliding_window=None)
+        return MixtralConfig(**settings | overrides)
+    settings |= dict(intermediate_size=96, moe_intermediate_size=48, num_experts=8)
     if family == "qwen3_moe":
         settings |= dict(head_dim=32, mlp_only_layers=[1], norm_topk_prob=True)
         return Qwen3MoeConfig(**settings | overrides)
@@ -88,6 +90,8 @@ def test_spec_reads_which_layers_are_sparse():
     qwen2 = ModelSpec.from_hf_config(_config("qwen2_moe", num_hidden_layers=4)).moe
     assert qwen2.sparse_layers == (False, True, False, True) and qwen2.shared_expert_intermediate_size == 80
     assert ModelSpec.from_hf_config(_config("qwen3_moe", num_experts=0)).moe is None  # HF: every layer dense
+    mixtral = ModelSpec.from_hf_config(_config("mixtral")).moe
+    assert mixtral.sparse_layers == (True,) * 3 and mixtral.norm_topk_prob and mixtral.expert_intermediate_size == 48
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["torch", "kernels"])

@@ -1,4 +1,4 @@
-"""The sparse mixture-of-experts block (Qwen3-MoE, Qwen2-MoE), computed per expert, not per token.
+"""The sparse mixture-of-experts block (Qwen3-MoE, Qwen2-MoE, Mixtral), computed per expert, not per token.
 
 A step holds T tokens; each picks ``top_k`` of ``num_experts`` SwiGLU experts. Looping over tokens would
 read an expert's weights once for every token that chose it -- at decode sizes the weights *are* the cost.
@@ -46,6 +46,7 @@ class SparseMoeBlock(nn.Module):
                 "(their experts are not sharded): use tensor_parallel_size 1"
             )
         self.top_k = moe.top_k
+        self.expert_parts = moe.expert_parts
         self.norm_topk_prob = moe.norm_topk_prob
         self.gate = Linear(hidden, moe.num_experts, False, dtype)
         self.experts = nn.ModuleList(
@@ -101,16 +102,19 @@ class SparseMoeBlock(nn.Module):
         return out.add_(_sigmoid_per_row(self.shared_expert_gate(x)) * self.shared_expert(x))
 
     def weight_targets(self, prefix: str) -> dict[str, WeightLoader]:
-        """HF checkpoint name (``prefix`` is the layer's ``...mlp.``) -> loader into this block's parameters."""
+        """HF checkpoint name (``prefix``: the layer's block, ``...mlp.``) -> loader into this block's parameters.
+
+        Experts are named as the family's checkpoints name them (``MoESpec.expert_parts``); the shared expert
+        (Qwen2-MoE) as Qwen's."""
         targets = {f"{prefix}gate.weight": partial(self.gate.load_part, "weight", 0)}
-        mlps = [(f"{prefix}experts.{i}.", expert) for i, expert in enumerate(self.experts)]
+        mlps = [(f"{prefix}experts.{i}.", expert, self.expert_parts) for i, expert in enumerate(self.experts)]
         if self.shared_expert is not None:
-            mlps.append((f"{prefix}shared_expert.", self.shared_expert))
+            mlps.append((f"{prefix}shared_expert.", self.shared_expert, ("gate_proj", "up_proj", "down_proj")))
             targets[f"{prefix}shared_expert_gate.weight"] = partial(self.shared_expert_gate.load_part, "weight", 0)
-        for name, mlp in mlps:
-            targets[f"{name}gate_proj.weight"] = partial(mlp.gate_up_proj.load_part, "weight", 0)
-            targets[f"{name}up_proj.weight"] = partial(mlp.gate_up_proj.load_part, "weight", mlp.intermediate)
-            targets[f"{name}down_proj.weight"] = partial(mlp.down_proj.load_part, "weight", 0)
+        for name, mlp, (gate, up, down) in mlps:
+            targets[f"{name}{gate}.weight"] = partial(mlp.gate_up_proj.load_part, "weight", 0)
+            targets[f"{name}{up}.weight"] = partial(mlp.gate_up_proj.load_part, "weight", mlp.intermediate)
+            targets[f"{name}{down}.weight"] = partial(mlp.down_proj.load_part, "weight", 0)
         return targets
 
 

@@ -9,8 +9,8 @@ embeddings are multiplied by ``sqrt(hidden)`` (``embed_scale``), q/k norms, the 
 base of their own for the windowed ones (``local_rope``). Phi-3 computes the Llama decoder, but its checkpoints
 hold q|k|v and gate|up as one tensor each (``fused_checkpoint``) and Phi-4-mini rotates only part of each head
 (``rotary_dim``); its long-context RoPE (``longrope``) and YaRN are ``rope`` data (``rope_scaling.py``).
-Qwen3-MoE and Qwen2-MoE are Qwen3 and Qwen2 with sparse mixture-of-experts layers, described by
-``moe`` (``model/moe_spec.py``).
+Qwen3-MoE, Qwen2-MoE and Mixtral are Qwen3, Qwen2 and Mistral with sparse mixture-of-experts layers,
+described by ``moe`` (``model/moe_spec.py``).
 
 Everything is read here, from the HF config, in one place: the model code has no ``getattr`` chains, and a
 config that asks for maths pagedkv does not do fails at once, with the field's name in the message.
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from pagedkv.model.moe_spec import MoESpec
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
-SUPPORTED_MODEL_TYPES += ("qwen2_moe", "qwen3_moe")  # mixture-of-experts (model/moe_spec.py)
+SUPPORTED_MODEL_TYPES += ("qwen2_moe", "qwen3_moe", "mixtral")  # mixture-of-experts (model/moe_spec.py)
 # families whose HF code rotates part of a head when the config's partial_rotary_factor says so (Llama's does not)
 _PARTIAL_ROTARY_TYPES = ("phi3",)
 # the config's activation name -> the gated MLP's activation (``GatedMLP``): silu (SwiGLU) or GeLU-tanh (GeGLU)

@@ -54,7 +54,7 @@ def weight_targets(model: LlamaForCausalLM) -> dict[str, WeightLoader]:
             ("self_attn.o_proj", attn.o_proj, 0, rows, once, spec.o_bias),
         ]
         if isinstance(mlp, SparseMoeBlock):  # a mixture-of-experts layer names its own (never sharded) weights
-            targets.update(mlp.weight_targets(prefix + "mlp."))
+            targets.update(mlp.weight_targets(f"{prefix}{spec.moe.checkpoint_block}."))
         else:
             fused += [
                 ("mlp.gate_proj", mlp.gate_up_proj, 0, columns, columns, spec.mlp_bias),
