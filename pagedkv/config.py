@@ -1,7 +1,9 @@
 """EngineConfig: every knob of the engine in one validated dataclass.
 
 Each field's ``metadata["help"]`` says what it does, for the CLI options generated from the fields; where
-only some values are allowed, ``metadata["choices"]`` is the list that lives next to the code using them.
+only some values are allowed, ``metadata["choices"]`` is the list of them, defined here rather than in the
+implementations so that reading the config loads neither torch nor the kernels; each implementation keys its
+table by these names (tests/test_config.py checks that they match).
 ``dtype`` and ``linear_backend`` are the old names of ``weight_format`` and ``kernels``, kept for one
 release: they warn and are mapped to the new fields, then read None.
 """
@@ -12,10 +14,11 @@ import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from pagedkv.attention.backend import BACKENDS
-from pagedkv.kv.ops import KV_DTYPES
-from pagedkv.model.layers import WEIGHT_FORMATS
-
+# the linear layers' weight formats (model/layers.py keeps each one's dtype), the KV pool's element types
+# (kv/ops.py keeps each one's torch dtype) and the attention backends (attention/backend.py picks one)
+WEIGHT_FORMATS = ("float32", "bfloat16", "gguf", "gguf-int8")
+KV_CACHE_DTYPES = ("float32", "float16")
+ATTENTION_BACKENDS = ("kernel", "gather")
 MAX_TOKENS_POLICIES = ("reject", "clamp")
 
 # old name -> (new name, old value -> new value)
@@ -42,7 +45,7 @@ class EngineConfig:
         "with the codes -- faster, not bit-equal to HF, still batch-invariant (docs/int8-activations.md); "
         "float32 (the default otherwise; for a .gguf file: de-quantised once, in memory, the reference); "
         "bfloat16 (pays on CPUs with bf16 GEMMs)",
-        choices=tuple(WEIGHT_FORMATS),
+        choices=WEIGHT_FORMATS,
     )
     block_size: int = _option(16, "tokens per KV block (a power of two)")
     num_kv_blocks: int | None = _option(None, "KV pool size in blocks (default: from kv_cache_memory_gb)")
@@ -52,7 +55,7 @@ class EngineConfig:
         "element type of the KV pool: float32 (exact: the same tokens as HF transformers in fp32); float16 holds "
         "twice the tokens in the same memory (llama.cpp's default), each K/V value rounded to fp16 once, so "
         "outputs may differ slightly from fp32",
-        choices=tuple(KV_DTYPES),
+        choices=KV_CACHE_DTYPES,
     )
     max_num_seqs: int = _option(64, "most requests in one step")
     max_num_batched_tokens: int = _option(2048, "most tokens in one step (prompts are cut into chunks to fit)")
@@ -80,7 +83,7 @@ class EngineConfig:
         None,
         "decode attention: the compiled kernel or gather + SDPA in torch (default: $PAGEDKV_ATTENTION_BACKEND, "
         "else the kernel if it builds)",
-        choices=BACKENDS,
+        choices=ATTENTION_BACKENDS,
     )
     kernels: bool | None = _option(
         None,
@@ -132,11 +135,10 @@ class EngineConfig:
         self._map_deprecated()
         if self.weight_format is not None and self.weight_format not in WEIGHT_FORMATS:
             raise ValueError(
-                f"weight_format must be one of {tuple(WEIGHT_FORMATS)} or None (by the model file), "
-                f"got {self.weight_format!r}"
+                f"weight_format must be one of {WEIGHT_FORMATS} or None (by the model file), got {self.weight_format!r}"
             )
-        if self.kv_cache_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -160,8 +162,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_tokens_policy not in MAX_TOKENS_POLICIES:
             raise ValueError(f"max_tokens_policy must be one of {MAX_TOKENS_POLICIES}, got {self.max_tokens_policy!r}")
-        if self.attention_backend is not None and self.attention_backend not in BACKENDS:
-            raise ValueError(f"attention_backend must be one of {BACKENDS} or None, got {self.attention_backend!r}")
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS} or None, got {self.attention_backend!r}"
+            )
         if self.kernels is not None and not isinstance(self.kernels, bool):
             raise ValueError(f"kernels must be True, False or None (on where they build), got {self.kernels!r}")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:

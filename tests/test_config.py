@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 
 from pagedkv import LLM
-from pagedkv.attention.backend import BACKENDS
-from pagedkv.config import EngineConfig
+from pagedkv.attention import backend
+from pagedkv.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, WEIGHT_FORMATS, EngineConfig
 from pagedkv.entrypoints.cli import add_engine_args, engine_kwargs
 from pagedkv.kv.ops import KV_DTYPES
-from pagedkv.model.layers import WEIGHT_FORMATS
+from pagedkv.model.layers import WEIGHT_DTYPES
 
 
 def test_every_field_says_what_it_does():
@@ -21,11 +21,22 @@ def test_every_field_says_what_it_does():
         assert f.metadata.get("help"), f"EngineConfig.{f.name} has no help text"
     choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(EngineConfig) if "choices" in f.metadata}
     assert choices == {
-        "weight_format": tuple(WEIGHT_FORMATS),
-        "attention_backend": BACKENDS,
-        "kv_cache_dtype": tuple(KV_DTYPES),
+        "weight_format": WEIGHT_FORMATS,
+        "attention_backend": ATTENTION_BACKENDS,
+        "kv_cache_dtype": KV_CACHE_DTYPES,
         "max_tokens_policy": ("reject", "clamp"),
     }
+
+
+def test_the_allowed_names_are_the_ones_the_implementations_take(monkeypatch):
+    """config.py lists the names without loading the implementations; each implementation's table has exactly
+    those names, and the attention backend's own choice (by environment variable) refuses any other."""
+    assert sorted(WEIGHT_DTYPES) == sorted(WEIGHT_FORMATS)
+    assert sorted(KV_DTYPES) == sorted(KV_CACHE_DTYPES)
+    assert sorted([backend.KernelAttention.name, backend.TorchAttention.name]) == sorted(ATTENTION_BACKENDS)
+    monkeypatch.setenv(backend.ENV_VAR, "flash")
+    with pytest.raises(ValueError, match="is not one of"):
+        backend.select_backend(None)
 
 
 @pytest.mark.parametrize(

@@ -17,13 +17,13 @@ from torch import Tensor
 from pagedkv import kernels
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.attention.paged import KernelAttention, TorchAttention
+from pagedkv.config import ATTENTION_BACKENDS  # the compiled paged attention kernel, or gather + SDPA (torch only)
 
-BACKENDS = ("kernel", "gather")  # the compiled paged attention kernel, or gather + SDPA (torch only)
 ENV_VAR = "PAGEDKV_ATTENTION_BACKEND"
 
 
 class AttentionBackend(Protocol):
-    name: str  # one of BACKENDS
+    name: str  # one of ATTENTION_BACKENDS
 
     def build_metadata(
         self, block_tables: Sequence[Sequence[int]], query_lens: Sequence[int], seq_lens: Sequence[int], block_size: int
@@ -48,7 +48,7 @@ class AttentionBackend(Protocol):
 
 
 def select_backend(requested: str | None) -> AttentionBackend:
-    """The ``attention_backend`` option (one of :data:`BACKENDS`, checked by ``EngineConfig``), else
+    """The ``attention_backend`` option (one of ``ATTENTION_BACKENDS``, checked by ``EngineConfig``), else
     ``$PAGEDKV_ATTENTION_BACKEND``, else the kernel if it builds.
 
     Asking for the kernel where it cannot be built gives the torch backend, with a warning.
@@ -56,8 +56,8 @@ def select_backend(requested: str | None) -> AttentionBackend:
     source = f"attention_backend={requested!r}"
     value = os.environ.get(ENV_VAR, "").strip()
     if requested is None and value:
-        if value not in BACKENDS:
-            raise ValueError(f"${ENV_VAR}={value!r} is not one of {BACKENDS}: use one of those, or unset it")
+        if value not in ATTENTION_BACKENDS:
+            raise ValueError(f"${ENV_VAR}={value!r} is not one of {ATTENTION_BACKENDS}: use one of those, or unset it")
         requested, source = value, f"${ENV_VAR}={value}"
     wanted = None if requested is None else requested == "kernel"
     return KernelAttention() if kernels.use_compiled(wanted, source, kernels.portable) else TorchAttention()

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 PAD_SLOT = -1
-# The pool's element types (EngineConfig.kv_cache_dtype). float32 is the default and the exact one; float16 halves
+# The pool's element types (config.KV_CACHE_DTYPES, the names). float32 is the default and the exact one; float16 halves
 # the pool (llama.cpp's default KV type): each K/V value is rounded to fp16 once, when it is written, and every read
 # widens it back to fp32, so attention's arithmetic stays fp32 and only the stored values differ.
 # (docs/architecture.md keeps the pool fp32 because bf16 *attention* -- SDPA computing in bf16 -- was 6-10x slower; an

@@ -18,10 +18,10 @@ from pagedkv.model.gguf_file import GGUFTensor
 from pagedkv.model.panel import PanelWeight
 from pagedkv.parallel.group import TensorParallel
 
-# The weight formats (``EngineConfig.weight_format``) and the dtype each keeps its linear weights in. "gguf":
+# The weight formats (``config.WEIGHT_FORMATS``, the names) and the dtype each keeps its linear weights in. "gguf":
 # fp32 math on a GGUF file's own codes, packed from the file for the panel GEMM (see Linear.load_part);
 # "gguf-int8": llama.cpp's int8-activation arithmetic on the file's blocks, opt-in (model/int8_linear.py).
-WEIGHT_FORMATS = {
+WEIGHT_DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "gguf": torch.float32,

@@ -35,7 +35,7 @@ from pagedkv.attention.paged import TorchAttention
 from pagedkv.model import gguf_blocks, gguf_weights, int8_linear, panel
 from pagedkv.model.decoder_stack import DecoderStack, stack_for
 from pagedkv.model.gguf_file import GGUFTensor
-from pagedkv.model.layers import WEIGHT_FORMATS, GatedMLP, Linear, LMHead, RMSNorm, empty_parameter
+from pagedkv.model.layers import WEIGHT_DTYPES, GatedMLP, Linear, LMHead, RMSNorm, empty_parameter
 from pagedkv.model.moe import SparseMoeBlock
 from pagedkv.model.rope import RotaryEmbedding, rotate_heads
 from pagedkv.model.spec import ModelSpec
@@ -126,7 +126,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder + LM head. ``weight_format`` (one of ``WEIGHT_FORMATS``) sets the linear layers' (and the
+    """Decoder + LM head. ``weight_format`` (one of ``config.WEIGHT_FORMATS``) sets the linear layers' (and the
     embedding's) weight dtype; all else is fp32. ``attention`` serves every layer (default: torch's);
     ``tp``: this process's tensor-parallel shard (default: the whole model); ``max_model_len``: the engine's limit
     on the context, if it sets one (it decides longrope's factor set: ``pagedkv.model.rope_scaling``)."""
@@ -142,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec = ModelSpec.from_hf_config(hf_config, max_model_len)
         self.tp = tp
-        weight_dtype = WEIGHT_FORMATS[weight_format]
+        weight_dtype = WEIGHT_DTYPES[weight_format]
         self.attention = attention or TorchAttention()
         self.vocab_rows = tp.vocab_rows(spec.vocab_size)  # this rank's slice of the vocabulary
         self.embed_tokens = empty_parameter(self.vocab_rows, spec.hidden_size, dtype=weight_dtype)
