@@ -11,14 +11,14 @@
 //   Q4_1    32     20     d, m, 4-bit u: w = d u + m    Q8_1         (d da) sum u q + m sa
 //   Q5_0    32     22     d, 5-bit u: w = d (u - 16)    Q8_0         (d da) sum (u - 16) q
 //   Q8_0    32     34     d, int8 c: w = d c            Q8_0         (d da) sum c q
-//   Q4_K    256    144    d, dmin, 6-bit sc/mn, 4-bit   Q8_K         (da d) sum_s sc_s sum u q - (da dmin) sum_s mn_s bsum_s
+//   Q4_K    256    144    d, dmin, 6-bit sc/mn, 4-bit   Q8_K         (da d) sum_s sc_s sum u q - (da dmin) sum_s mn_s sum_s q
 //   Q6_K    256    210    d, int8 sc, 6-bit u           Q8_K         (da d) sum_s sc_s sum (u - 32) q
 //
 // The activations, as ggml's reference quantisers (quantize_row_q8_0_ref, _q8_1_ref, _q8_K_ref) make them:
 //   Q8_0 / Q8_1 (32): da = amax / 127, q = roundf(x / da) (half away from zero), da kept as fp16; Q8_1 adds
 //                     sa = fp16(da sum q).
 //   Q8_K (256):       m = the value of largest |x| (the first), s = -127 / m, q = nearest(s x) (half to even),
-//                     da = 1 / s (fp32), and bsum = sum q per 16.
+//                     da = 1 / s (fp32), and the sum of q per 32 (ggml keeps it per 16 and adds pairs).
 //
 // The integer sums are exact (int32 lanes: at most 2^25 here), so an AVX2 path (maddubs + madd) and an AVX-512
 // VNNI one (vpdpbusd) give the same lanes, and every float operation after them is the same: the two paths agree
@@ -27,9 +27,9 @@
 // with a min adds its scalar sum last -- ggml's order of operations, up to how the lanes are summed.
 //
 // Batch invariance: a row's result depends only on its own x row and W, in that fixed order, whatever other rows
-// share the call, however many threads split the outputs. Rows run in tiles of kTile per weight block: a block is
-// decoded once (codes in natural order, as bytes) and dotted with every row of the tile; outputs go in chunks of
-// kChunk, so the chunk's weights stay in L2 while every tile of rows passes over them.
+// share the call, however many threads split the outputs. Rows run in tiles of up to kTile per weight block: a
+// block is decoded once (codes in natural order, as bytes) and dotted with every row of the tile; outputs go in
+// chunks of kChunk, so the chunk's weights stay in L2 while every tile of rows passes over them.
 //
 // W is the GGUF file's blocks as they are, row-major [N][K / block] (a one-row GEMV reads it as one stream), so
 // it may view the read-only memory map. Format code: kFormatBase + the ggml type id.
@@ -53,12 +53,12 @@ namespace {
 
 constexpr int64_t kFormatBase = 64;
 enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
-constexpr int64_t kTile = 8;    // x rows per pass over a weight block
+constexpr int64_t kTile = 4;    // x rows per pass over a weight block (accumulators in registers)
 constexpr int64_t kChunk = 16;  // outputs whose weights stay in L2 while every tile passes
 
 // ---- Activations ----------------------------------------------------------------------------------------------
 
-// A quantised x [M, K]: codes, a scale per block, and per type the extra sums (Q8_1's sa per 32, Q8_K's bsum per 16).
+// A quantised x [M, K]: codes, a scale per block, and per type the extra sums (Q8_1's sa, Q8_K's int16 sum per 32).
 struct Quantised {
   at::Tensor q, d, sums;
 };
@@ -85,7 +85,7 @@ void quantise_q8_0_row(const float* x, int64_t k, int8_t* q, float* d, float* sa
 }
 
 // Q8_K blocks of one row, as quantize_row_q8_K_ref (its nearest_int rounds half to even, as nearbyint does).
-void quantise_q8_k_row(const float* x, int64_t k, int8_t* q, float* d, int32_t* bsum) {
+void quantise_q8_k_row(const float* x, int64_t k, int8_t* q, float* d, int16_t* sum32) {
   for (int64_t b = 0; b < k / 256; ++b) {
     const float* xb = x + 256 * b;
     float max = 0.0f, amax = 0.0f;
@@ -98,10 +98,10 @@ void quantise_q8_k_row(const float* x, int64_t k, int8_t* q, float* d, int32_t* 
     const float iscale = amax != 0.0f ? -127.0f / max : 0.0f;
     for (int j = 0; j < 256; ++j)
       q[256 * b + j] = static_cast<int8_t>(std::clamp(std::nearbyint(iscale * xb[j]), -127.0f, 127.0f));
-    for (int j = 0; j < 16; ++j) {
+    for (int j = 0; j < 8; ++j) {
       int sum = 0;
-      for (int i = 0; i < 16; ++i) sum += q[256 * b + 16 * j + i];
-      bsum[16 * b + j] = sum;
+      for (int i = 0; i < 32; ++i) sum += q[256 * b + 32 * j + i];
+      sum32[8 * b + j] = static_cast<int16_t>(sum);  // |sum| <= 32 * 127
     }
     d[b] = amax != 0.0f ? 1.0f / iscale : 0.0f;
   }
@@ -112,15 +112,15 @@ bool uses_q8_k(int64_t type) { return type == kQ4_K || type == kQ6_K; }
 Quantised quantise(const at::Tensor& x, int64_t type) {
   const int64_t m = x.size(0), k = x.size(1), block = uses_q8_k(type) ? 256 : 32;
   Quantised out{at::empty({m, k}, x.options().dtype(at::kChar)), at::empty({m, k / block}, x.options()),
-                at::empty({m, uses_q8_k(type) ? k / 16 : type == kQ4_1 ? k / 32 : 0},
-                          x.options().dtype(uses_q8_k(type) ? at::kInt : at::kFloat))};
+                at::empty({m, uses_q8_k(type) || type == kQ4_1 ? k / 32 : 0},
+                          x.options().dtype(uses_q8_k(type) ? at::kShort : at::kFloat))};
   const float* xs = x.data_ptr<float>();
   int8_t* q = out.q.data_ptr<int8_t>();
   float* d = out.d.data_ptr<float>();
   at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       if (uses_q8_k(type)) {
-        quantise_q8_k_row(xs + r * k, k, q + r * k, d + r * (k / 256), out.sums.data_ptr<int32_t>() + r * (k / 16));
+        quantise_q8_k_row(xs + r * k, k, q + r * k, d + r * (k / 256), out.sums.data_ptr<int16_t>() + r * (k / 32));
       } else {
         float* sa = type == kQ4_1 ? out.sums.data_ptr<float>() + r * (k / 32) : nullptr;
         quantise_q8_0_row(xs + r * k, k, q + r * k, d + r * (k / 32), sa);
@@ -135,7 +135,7 @@ struct ActRow {
   const int8_t* q;
   const float* d;
   const float* sa;     // Q8_1
-  const int32_t* bsum;  // Q8_K
+  const int16_t* sum32;  // Q8_K
 };
 
 // ---- Integer dot products -------------------------------------------------------------------------------------
@@ -187,9 +187,11 @@ INT8_INLINE __m256i bits32(const uint8_t* p) {
   return _mm256_cmpeq_epi8(ones, _mm256_set1_epi64x(-1));
 }
 
-// What a row accumulates for one output: eight fp32 lanes and, for a type with a min, a scalar.
+// What a row accumulates for one output: eight fp32 lanes, and for a type with a min four more (Q4_K) or a
+// scalar (Q4_1); summed in that order at the end.
 struct Acc {
   __m256 lanes = _mm256_setzero_ps();
+  __m128 mins = _mm_setzero_ps();
   float extra = 0.0f;
 };
 
@@ -253,17 +255,23 @@ INT8_INLINE __m256i scaled_dot(__m256i u, __m256i s, int lo, int hi) {
 
 struct Q4_K {
   static constexpr int64_t kBlock = 256, kBytes = 144;
-  struct Block { __m256i u[8]; int16_t sc[8], mn[8]; float d, dmin; };
-  // The 6-bit scales and mins of the 8 sub-blocks, packed in 12 bytes (ggml's get_scale_min_k4).
+  struct Block { __m256i u[8]; __m128i mins; uint8_t sc[8]; float d, dmin; };
+  // The 6-bit scales and mins of the 8 sub-blocks, packed in 12 bytes: ggml's unpacking (get_scale_min_k4 in
+  // four word operations), scales to bytes 0-7, mins to 8-15.
   static INT8_INLINE Block decode(const uint8_t* b) {
     Block w;
     w.d = half_at(b);
     w.dmin = half_at(b + 2);
-    const uint8_t* s = b + 4;
-    for (int j = 0; j < 8; ++j) {
-      w.sc[j] = j < 4 ? s[j] & 63 : (s[j + 4] & 0xF) | (s[j - 4] >> 6) << 4;
-      w.mn[j] = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | (s[j] >> 6) << 4;
-    }
+    uint32_t words[4];
+    std::memcpy(words, b + 4, 12);
+    constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
+    words[3] = ((words[2] >> 4) & kLow4) | (((words[1] >> 6) & kLow2) << 4);
+    const uint32_t mins_low = words[1] & kLow6;
+    words[1] = (words[2] & kLow4) | (((words[0] >> 6) & kLow2) << 4);
+    words[2] = mins_low;
+    words[0] &= kLow6;
+    std::memcpy(w.sc, words, 8);
+    w.mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, static_cast<int>(words[3]), static_cast<int>(words[2])));
     for (int c = 0; c < 4; ++c) {  // 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high ones
       const __m256i bytes = load32(b + 16 + 32 * c);
       w.u[2 * c] = _mm256_and_si256(bytes, _mm256_set1_epi8(0x0F));
@@ -275,13 +283,12 @@ struct Q4_K {
   static INT8_INLINE void dot(const Block& w, const ActRow& a, int64_t i, Acc& acc) {
     const int8_t* q = a.q + 256 * i;
     __m256i sum = _mm256_setzero_si256();
-    int mins = 0;
-    for (int j = 0; j < 8; ++j) {
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j)
       sum = _mm256_add_epi32(sum, scaled_dot<V>(w.u[j], load32(q + 32 * j), w.sc[j], w.sc[j]));
-      mins += w.mn[j] * (a.bsum[16 * i + 2 * j] + a.bsum[16 * i + 2 * j + 1]);
-    }
+    const __m128i mins = _mm_madd_epi16(w.mins, _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.sum32 + 8 * i)));
     acc.lanes = _mm256_fmadd_ps(_mm256_set1_ps(a.d[i] * w.d), _mm256_cvtepi32_ps(sum), acc.lanes);
-    acc.extra += -(a.d[i] * w.dmin) * static_cast<float>(mins);
+    acc.mins = _mm_fmadd_ps(_mm_set1_ps(-(a.d[i] * w.dmin)), _mm_cvtepi32_ps(mins), acc.mins);
   }
 };
 
@@ -327,14 +334,14 @@ struct Problem {
   int64_t row_bytes, blocks, m, k;
   const int8_t* q;
   const float *d, *sa;
-  const int32_t* bsum;
+  const int16_t* sum32;
   float* y;
   int64_t ldy;
 
   template <class T>
   ActRow row(int64_t r) const {
     const int64_t per = k / T::kBlock;
-    return {q + r * k, d + r * per, sa ? sa + r * (k / 32) : nullptr, bsum ? bsum + r * (k / 16) : nullptr};
+    return {q + r * k, d + r * per, sa ? sa + r * (k / 32) : nullptr, sum32 ? sum32 + r * (k / 32) : nullptr};
   }
 };
 
@@ -346,23 +353,39 @@ INT8_INLINE float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Outputs [begin, end) for every row.
+// ggml's hsum of four lanes (the pairs, then the two).
+INT8_INLINE float hsum(__m128 s) {
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Output o for rows [r0, r0 + R): each block decoded once, dotted with the R rows; a compile-time R keeps the
+// accumulators in registers.
+template <class T, bool V, int R>
+void tile(const Problem& p, int64_t r0, int64_t o) {
+  ActRow act[R];
+  for (int r = 0; r < R; ++r) act[r] = p.row<T>(r0 + r);
+  const uint8_t* w = p.w + o * p.row_bytes;
+  Acc acc[R];
+  for (int64_t i = 0; i < p.blocks; ++i) {
+    const typename T::Block block = T::decode(w + i * T::kBytes);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) T::template dot<V>(block, act[r], i, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) p.y[(r0 + r) * p.ldy + o] = hsum(acc[r].lanes) + hsum(acc[r].mins) + acc[r].extra;
+}
+
+// Outputs [begin, end) for every row: chunks of kChunk outputs, whose weights stay in L2 while the rows pass over
+// them in tiles of kTile (a last one of 1 to kTile - 1).
 template <class T, bool V>
 void outputs(const Problem& p, int64_t begin, int64_t end) {
+  using TileFn = void (*)(const Problem&, int64_t, int64_t);
+  static constexpr TileFn kTiles[kTile] = {tile<T, V, 1>, tile<T, V, 2>, tile<T, V, 3>, tile<T, V, 4>};
   for (int64_t chunk = begin; chunk < end; chunk += kChunk) {
     for (int64_t r0 = 0; r0 < p.m; r0 += kTile) {
-      const int64_t rows = std::min(kTile, p.m - r0);
-      ActRow act[kTile];
-      for (int64_t r = 0; r < rows; ++r) act[r] = p.row<T>(r0 + r);
-      for (int64_t o = chunk; o < std::min(chunk + kChunk, end); ++o) {
-        const uint8_t* w = p.w + o * p.row_bytes;
-        Acc acc[kTile];
-        for (int64_t i = 0; i < p.blocks; ++i) {
-          const typename T::Block block = T::decode(w + i * T::kBytes);
-          for (int64_t r = 0; r < rows; ++r) T::template dot<V>(block, act[r], i, acc[r]);
-        }
-        for (int64_t r = 0; r < rows; ++r) p.y[(r0 + r) * p.ldy + o] = hsum(acc[r].lanes) + acc[r].extra;
-      }
+      const TileFn run = kTiles[std::min(kTile, p.m - r0) - 1];
+      for (int64_t o = chunk; o < std::min(chunk + kChunk, end); ++o) run(p, r0, o);
     }
   }
 }
@@ -434,7 +457,7 @@ void into(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t k, int64_
   const auto [block, bytes] = block_of("int8_linear", format);
   const Problem p{static_cast<const uint8_t*>(w.data_ptr()), k / block * bytes, k / block, x.size(0), k,
                   a.q.data_ptr<int8_t>(), a.d.data_ptr<float>(), type == kQ4_1 ? a.sums.data_ptr<float>() : nullptr,
-                  uses_q8_k(type) ? a.sums.data_ptr<int32_t>() : nullptr, y.data_ptr<float>() + col, y.size(1)};
+                  uses_q8_k(type) ? a.sums.data_ptr<int16_t>() : nullptr, y.data_ptr<float>() + col, y.size(1)};
   const bool vnni = path == kVnni || (path == kAuto && has_vnni());
   switch (type) {
     case kQ4_0: run_type<Q4_0>(p, n, vnni); break;
@@ -463,7 +486,7 @@ void int8_linear_into(const at::Tensor& x, const at::Tensor& w, int64_t n, int64
 }
 
 // The activations as the kernels quantise them for `format`'s type: (codes int8 [M, K], scales fp32 [M, blocks],
-// sums: Q8_1's fp32 sa [M, K / 32], Q8_K's int32 bsum [M, K / 16], else [M, 0]). For tests.
+// sums: Q8_1's fp32 sa [M, K / 32], Q8_K's int16 sums [M, K / 32], else [M, 0]). For tests.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_quantise(const at::Tensor& x, int64_t format) {
   const auto [block, bytes] = block_of("_int8_quantise", format);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % block == 0,
