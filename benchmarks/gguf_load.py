@@ -1,6 +1,7 @@
 """Loading a GGUF file: time to ready and memory, pagedkv next to llama.cpp, each in a fresh process.
 
     python benchmarks/gguf_load.py [--model FILE.gguf] [--cold] [--decode 64] [--threads 2] [--json out.json]
+                                   [--weight-format gguf gguf-int8]
 
 For each engine a new Python process loads the model and reports (as JSON on its last line):
 
@@ -15,7 +16,8 @@ For each engine a new Python process loads the model and reports (as JSON on its
 chatting sees), and reports ``decode_tok_s``: N over the time past the first token (timed as the same request
 with ``max_tokens=1``, in the same process, and subtracted).
 
-``--cold`` runs pagedkv once more with an empty ``$PAGEDKV_CACHE_DIR`` first: its kernels compiled and the
+``--weight-format`` runs pagedkv once per format given (default ``gguf``; ``gguf-int8`` is the opt-in
+int8-activation format, docs/int8-activations.md). ``--cold`` runs pagedkv once more with an empty ``$PAGEDKV_CACHE_DIR`` first: its kernels compiled and the
 file's metadata converted, as on a machine that never ran it. The KV pool is sized to 256 MiB on both sides
 (pagedkv: ``kv_cache_memory_gb``; llama.cpp: ``n_ctx`` tokens of its fp16 cache). State the CPU with the numbers.
 """
@@ -51,7 +53,7 @@ def _memory() -> dict[str, float]:
 PROMPT = list(range(1000, 1064))  # token ids: every vocabulary here is larger
 
 
-def child_pagedkv(model: str, threads: int, decode: int) -> dict:
+def child_pagedkv(model: str, threads: int, decode: int, weight_format: str = "gguf") -> dict:
     import torch
 
     from pagedkv import LLM, SamplingParams
@@ -59,7 +61,7 @@ def child_pagedkv(model: str, threads: int, decode: int) -> dict:
 
     torch.set_num_threads(threads)
     start = time.perf_counter()
-    llm = LLM(model=model, kv_cache_memory_gb=KV_MIB / 1024)
+    llm = LLM(model=model, kv_cache_memory_gb=KV_MIB / 1024, weight_format=weight_format)
     ready = time.perf_counter() - start
     net = llm.engine.runner.model
     weights = sum(p.packed.nbytes for m in net.modules() if isinstance(m, Linear) for p in m.panels)
@@ -117,9 +119,9 @@ def _llama_ctx(model: str) -> int:
     return KV_MIB * 2**20 // per_token // 256 * 256
 
 
-def _run(engine: str, model: str, threads: int, decode: int, env: dict | None = None) -> dict:
+def _run(engine: str, model: str, threads: int, decode: int, env: dict | None = None, weight_format: str = "gguf") -> dict:
     command = [sys.executable, __file__, "--child", engine, "--model", model, "--threads", str(threads)]
-    command += ["--decode", str(decode)]
+    command += ["--decode", str(decode), "--weight-format", weight_format]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
@@ -134,14 +136,17 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=0, help="also time N greedy tokens of one request")
     parser.add_argument("--child", choices=["pagedkv", "llama.cpp"], help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--weight-format", nargs="+", default=["gguf"], help="pagedkv's weight formats to run")
     args = parser.parse_args()
     if args.model is None:
         from pagedkv.model.loader import default_model_path
 
         args.model = default_model_path()
     if args.child:
-        child = child_pagedkv if args.child == "pagedkv" else child_llama_cpp
-        result = child(args.model, args.threads, args.decode)
+        if args.child == "pagedkv":
+            result = child_pagedkv(args.model, args.threads, args.decode, args.weight_format[0])
+        else:
+            result = child_llama_cpp(args.model, args.threads, args.decode)
         print(json.dumps(result))
         return
     from pagedkv.extension import cpu_flags
@@ -151,15 +156,17 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as empty:
             cold = os.environ | {"PAGEDKV_CACHE_DIR": empty}
             results["pagedkv (cold)"] = _run("pagedkv", args.model, args.threads, 0, cold)
-    results["pagedkv"] = _run("pagedkv", args.model, args.threads, args.decode)
+    for weight_format in args.weight_format:
+        name = "pagedkv" if weight_format == "gguf" else f"pagedkv {weight_format}"
+        results[name] = _run("pagedkv", args.model, args.threads, args.decode, weight_format=weight_format)
     results["llama.cpp"] = _run("llama.cpp", args.model, args.threads, args.decode)
     isa = "AVX-512" if "avx512f" in cpu_flags().split() else "AVX2"
     file_mib = sum(p.stat().st_size for p in _files(args.model)) / 2**20
     print(f"{Path(args.model).name}: {file_mib:.0f} MiB, KV pool {KV_MIB} MiB, {args.threads} threads, {isa} CPU")
     keys = ["ready_s", "peak_rss_mib", "rss_mib", "pss_mib", "weights_mib", "kv_mib", "decode_tok_s"]
-    print(f"{'engine':18}" + "".join(f"{k:>14}" for k in keys))
+    print(f"{'engine':22}" + "".join(f"{k:>14}" for k in keys))
     for name, result in results.items():
-        print(f"{name:18}" + "".join(f"{result.get(k, '-')!s:>14}" for k in keys) + f"  {result.get('error', '')}")
+        print(f"{name:22}" + "".join(f"{result.get(k, '-')!s:>14}" for k in keys) + f"  {result.get('error', '')}")
     if args.json:
         args.json.write_text(json.dumps({"model": args.model, "file_mib": file_mib, "results": results}, indent=2))
 
