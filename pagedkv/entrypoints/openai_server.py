@@ -39,8 +39,8 @@ from pagedkv.entrypoints.kv_page import KV_PATHS, KVAuthRequired, add_kv_routes,
 from pagedkv.entrypoints.limits import ServerLimits
 from pagedkv.entrypoints.ollama_api import add_ollama_routes
 from pagedkv.entrypoints.ollama_protocol import is_ollama_path, ollama_error_body
+from pagedkv.entrypoints.openai_objects import ModelCard, ModelList
 from pagedkv.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, echoed
-from pagedkv.entrypoints.responses import ModelCard, ModelList
 from pagedkv.entrypoints.responses_api import ResponsesAPI, add_responses_routes
 from pagedkv.entrypoints.responses_api_store import ResponseStore
 from pagedkv.entrypoints.serving import ServingContext

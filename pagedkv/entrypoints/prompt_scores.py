@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from pagedkv.engine.request import CompletionOutput, PromptLogprob, RequestOutput
-from pagedkv.entrypoints.responses import CompletionLogprobs, PromptLogprobs, PromptTokenLogprob
+from pagedkv.entrypoints.openai_objects import CompletionLogprobs, PromptLogprobs, PromptTokenLogprob
 from pagedkv.entrypoints.serving import ServingContext, completion_logprobs
 
 

@@ -1,4 +1,4 @@
-"""Request bodies of the OpenAI API subset we serve (the responses are in ``responses``), and OpenAI-style errors.
+"""Request bodies of the OpenAI API subset we serve (response bodies: ``openai_objects``), and OpenAI-style errors.
 
 Requests take the extras clients send by default (``user``, ``store: false``) but reject every field whose
 meaning we would silently ignore (``suffix``, ``logit_bias``, the legacy ``functions``, ``reasoning_effort``,

@@ -20,9 +20,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pagedkv.engine.request_stream import RequestStream
+from pagedkv.entrypoints.openai_objects import ToolCallResponse
 from pagedkv.entrypoints.protocol import APIError, ChatMessage, echoed
 from pagedkv.entrypoints.reasoning import Split, for_the_answer, split_reasoning
-from pagedkv.entrypoints.responses import ToolCallResponse
 from pagedkv.entrypoints.responses_api_objects import (
     FunctionCallItem,
     IncompleteDetails,

@@ -25,8 +25,7 @@ from pagedkv.engine.async_client import (
 )
 from pagedkv.engine.request import CompletionOutput, RequestOutput
 from pagedkv.entrypoints.limits import ServerLimits
-from pagedkv.entrypoints.protocol import APIError, echoed, value_error
-from pagedkv.entrypoints.responses import (
+from pagedkv.entrypoints.openai_objects import (
     ChatLogprobs,
     CompletionLogprobs,
     PromptTokensDetails,
@@ -34,6 +33,7 @@ from pagedkv.entrypoints.responses import (
     TopLogprob,
     Usage,
 )
+from pagedkv.entrypoints.protocol import APIError, echoed, value_error
 from pagedkv.kv import cache_report
 from pagedkv.sampling import SamplingParams
 

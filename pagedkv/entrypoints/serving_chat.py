@@ -24,10 +24,7 @@ from starlette.responses import Response
 
 from pagedkv.engine.async_client import RequestStream
 from pagedkv.engine.request import CompletionOutput, RequestOutput
-from pagedkv.entrypoints.prompt_scores import vllm_prompt_logprobs
-from pagedkv.entrypoints.protocol import ChatCompletionRequest
-from pagedkv.entrypoints.reasoning import ReasoningSplitter, Split, for_the_answer, split_reasoning
-from pagedkv.entrypoints.responses import (
+from pagedkv.entrypoints.openai_objects import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -38,6 +35,9 @@ from pagedkv.entrypoints.responses import (
     PromptLogprobs,
     ToolCallResponse,
 )
+from pagedkv.entrypoints.prompt_scores import vllm_prompt_logprobs
+from pagedkv.entrypoints.protocol import ChatCompletionRequest
+from pagedkv.entrypoints.reasoning import ReasoningSplitter, Split, for_the_answer, split_reasoning
 from pagedkv.entrypoints.serving import (
     EventStreamResponse,
     ServingContext,

@@ -18,9 +18,9 @@ from starlette.responses import Response
 from pagedkv.engine.async_client import RequestStream
 from pagedkv.engine.prompts import EnginePrompt
 from pagedkv.engine.request import CompletionOutput, RequestOutput
+from pagedkv.entrypoints.openai_objects import CompletionChoice, CompletionResponse
 from pagedkv.entrypoints.prompt_scores import echo_choice, echoed_prompt, vllm_prompt_logprobs
 from pagedkv.entrypoints.protocol import APIError, CompletionRequest
-from pagedkv.entrypoints.responses import CompletionChoice, CompletionResponse
 from pagedkv.entrypoints.serving import (
     EventStreamResponse,
     ServingContext,
