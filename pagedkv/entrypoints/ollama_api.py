@@ -138,7 +138,7 @@ def _weights_summary(files: list[Path], gguf: bool) -> tuple[int, str]:
 
         for file in files:
             with safe_open(file, framework="pt") as f:
-                for key in f:
+                for key in f.keys():  # noqa: SIM118 -- safetensors 0.8's safe_open is not iterable
                     piece = f.get_slice(key)
                     shapes_and_types.append((tuple(piece.get_shape()), piece.get_dtype()))
     parameters = sum(math.prod(shape) for shape, _ in shapes_and_types)
