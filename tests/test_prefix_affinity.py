@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv.entrypoints.prefix_affinity import Match, PrefixAffinity
+from pagedkv.entrypoints.replicas.prefix_affinity import Match, PrefixAffinity
 from pagedkv.kv.hashing import extend_block_keys
 
 BLOCK = 4

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from pagedkv.entrypoints import ray_serve
 from pagedkv.entrypoints.cli import build_parser, engine_kwargs
-from pagedkv.entrypoints.replica_options import ROUTERS, replicas_requested
+from pagedkv.entrypoints.replicas import ray_serve
+from pagedkv.entrypoints.replicas.replica_options import ROUTERS, replicas_requested
 
 
 def parse(*argv: str):

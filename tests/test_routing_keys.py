@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from pagedkv.engine.prompts import render_chat
-from pagedkv.entrypoints.routing_keys import MAX_KEYED_BODY_BYTES, RoutingKeys
+from pagedkv.entrypoints.replicas.routing_keys import MAX_KEYED_BODY_BYTES, RoutingKeys
 from pagedkv.kv.hashing import extend_block_keys
 from tests.tiny_model import save_tiny_llama
 

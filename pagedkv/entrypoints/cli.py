@@ -15,7 +15,7 @@ from pagedkv.engine.chat_templates import ChatTemplateError
 from pagedkv.entrypoints.connections import ConnectionLimits
 from pagedkv.entrypoints.limits import ServerLimits
 from pagedkv.entrypoints.reasoning import REASONING_PARSERS
-from pagedkv.entrypoints.replica_options import add_replica_arguments, replicas_requested
+from pagedkv.entrypoints.replicas.replica_options import add_replica_arguments, replicas_requested
 from pagedkv.sampling import SamplingParams
 
 BENCHMARKS = ("gather", "attention", "panel_linear", "throughput", "serving")
@@ -102,7 +102,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.reasoning_parser is not None:
             print("pagedkv: --reasoning-parser is not available with --replicas yet", file=sys.stderr)
             return 2
-        from pagedkv.entrypoints.ray_serve import serve_replicas
+        from pagedkv.entrypoints.replicas.ray_serve import serve_replicas
 
         return serve_replicas(args, engine_kwargs(args))
     from pagedkv.entrypoints.openai_server import serve

@@ -28,7 +28,7 @@ from typing import Any
 
 from pagedkv.entrypoints.limits import ServerLimits
 from pagedkv.entrypoints.openai_server import is_loopback
-from pagedkv.entrypoints.replica_options import ROUTERS
+from pagedkv.entrypoints.replicas.replica_options import ROUTERS
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def build_replica_app(args: argparse.Namespace, engine_kwargs: dict, replica_cpu
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from pagedkv.entrypoints.ray_deployments import EngineReplica, Ingress
+    from pagedkv.entrypoints.replicas.ray_deployments import EngineReplica, Ingress
 
     router_class, routing_kind = ROUTERS[args.router]
     threads = replica_threads(engine_kwargs, replica_cpus)

@@ -31,11 +31,11 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedkv.engine.metrics import ServerMetrics
-from pagedkv.entrypoints.forwarding import ForwardedRequest, run_asgi
 from pagedkv.entrypoints.limits import ServerLimits
 from pagedkv.entrypoints.openai_server import DEFAULT_MAX_BODY_BYTES, RequestGate, build_app, error_response
 from pagedkv.entrypoints.protocol import APIError
-from pagedkv.entrypoints.routing_keys import RoutingKeys
+from pagedkv.entrypoints.replicas.forwarding import ForwardedRequest, run_asgi
+from pagedkv.entrypoints.replicas.routing_keys import RoutingKeys
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import random
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from pagedkv.entrypoints.prefix_affinity import DEFAULT_BLOCKS_PER_REPLICA, PrefixAffinity
+from pagedkv.entrypoints.replicas.prefix_affinity import DEFAULT_BLOCKS_PER_REPLICA, PrefixAffinity
 
 DEFAULT_MAX_QUEUE_GAP = 8
 

@@ -6,13 +6,13 @@ import argparse
 
 # name -> (Ray Serve request router class, or None for Ray's default; what the ingress computes for it)
 ROUTERS: dict[str, tuple[str | None, str]] = {
-    "block-keys": ("pagedkv.entrypoints.prefix_router.BlockKeyRouter", "block_keys"),
+    "block-keys": ("pagedkv.entrypoints.replicas.prefix_router.BlockKeyRouter", "block_keys"),
     "ray-prefix": (
         "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter",
         "text",
     ),
     "pow2": (None, "none"),
-    "random": ("pagedkv.entrypoints.prefix_router.RandomRouter", "none"),
+    "random": ("pagedkv.entrypoints.replicas.prefix_router.RandomRouter", "none"),
 }
 ROUTER_HELP = (
     "block-keys: pagedkv's router on its own prefix-cache block keys (salted); ray-prefix: Ray Serve's "
