@@ -31,8 +31,9 @@ import uvicorn
 
 from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
-from pagedkv.entrypoints import cli, kv_page
-from pagedkv.entrypoints.openai_server import build_app
+from pagedkv.entrypoints import cli
+from pagedkv.entrypoints.server import kv_page
+from pagedkv.entrypoints.server.openai_server import build_app
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = ROOT / "workloads" / "chat_shared_prefix.json"

@@ -13,8 +13,8 @@ import random
 
 import pytest
 
-from pagedkv.entrypoints.limits import OTHER_VALUES, ServerLimits, count_json_values
-from pagedkv.entrypoints.protocol import APIError
+from pagedkv.entrypoints.server.limits import OTHER_VALUES, ServerLimits, count_json_values
+from pagedkv.entrypoints.server.protocol import APIError
 
 
 def reference_count(text: str) -> int:

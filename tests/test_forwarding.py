@@ -10,8 +10,8 @@ import pytest
 
 from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
-from pagedkv.entrypoints.openai_server import build_app
 from pagedkv.entrypoints.replicas.forwarding import ForwardedRequest, is_last, run_asgi
+from pagedkv.entrypoints.server.openai_server import build_app
 from tests.tiny_model import save_tiny_llama
 
 JSON = ((b"content-type", b"application/json"), (b"host", b"127.0.0.1:8000"))

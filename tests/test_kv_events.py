@@ -19,7 +19,7 @@ import pytest
 from pagedkv import LLM, SamplingParams
 from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
-from pagedkv.entrypoints.openai_server import build_app
+from pagedkv.entrypoints.server.openai_server import build_app
 from pagedkv.kv.events import (
     AllBlocksCleared,
     BlockRemoved,

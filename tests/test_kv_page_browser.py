@@ -18,8 +18,8 @@ import pytest
 
 from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
-from pagedkv.entrypoints.kv_page import KV_JSON_MAX_AGE_S
-from pagedkv.entrypoints.openai_server import build_app
+from pagedkv.entrypoints.server.kv_page import KV_JSON_MAX_AGE_S
+from pagedkv.entrypoints.server.openai_server import build_app
 from tests.headless_chromium import chromium, find_chromium
 from tests.kv_map_pixels import states_in
 from tests.live_server import live_server, wait_idle

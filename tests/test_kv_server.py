@@ -15,8 +15,9 @@ from PIL import Image
 
 from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
-from pagedkv.entrypoints import cli, kv_page
-from pagedkv.entrypoints.openai_server import build_app
+from pagedkv.entrypoints import cli
+from pagedkv.entrypoints.server import kv_page
+from pagedkv.entrypoints.server.openai_server import build_app
 from pagedkv.kv_map import render_kv_map
 from tests.kv_map_pixels import find_cells
 from tests.live_server import live_server, wait_idle

@@ -15,8 +15,8 @@ import transformers
 
 from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
-from pagedkv.entrypoints.openai_server import build_app
-from pagedkv.entrypoints.reasoning import REASONING_PARSERS, ReasoningSplitter, split_reasoning
+from pagedkv.entrypoints.server.openai_server import build_app
+from pagedkv.entrypoints.server.reasoning import REASONING_PARSERS, ReasoningSplitter, split_reasoning
 from pagedkv.model.loader import model_directory
 from tests.live_server import live_server
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import transformers
 
-from pagedkv.entrypoints.reasoning import split_reasoning
+from pagedkv.entrypoints.server.reasoning import split_reasoning
 from pagedkv.errors import InvalidParameter
 from pagedkv.model.loader import model_directory
 from pagedkv.structured import GrammarCompiler, StructuredOutputsParams

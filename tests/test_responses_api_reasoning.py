@@ -17,7 +17,7 @@ from pydantic import TypeAdapter
 
 from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
-from pagedkv.entrypoints.openai_server import build_app
+from pagedkv.entrypoints.server.openai_server import build_app
 from tests.live_server import live_server, wait_idle
 from tests.test_reasoning import SHOTS, THINKING_TEMPLATE
 

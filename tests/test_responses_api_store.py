@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from pagedkv.entrypoints.protocol import APIError
-from pagedkv.entrypoints.responses_api_protocol import ResponsesRequest
-from pagedkv.entrypoints.responses_api_store import ResponseStore
+from pagedkv.entrypoints.server.protocol import APIError
+from pagedkv.entrypoints.server.responses_api_protocol import ResponsesRequest
+from pagedkv.entrypoints.server.responses_api_store import ResponseStore
 
 ALICE, BOB = "a" * 64, "b" * 64
 

@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
-from pagedkv.entrypoints.limits import ServerLimits
-from pagedkv.entrypoints.openai_server import build_app
+from pagedkv.entrypoints.server.limits import ServerLimits
+from pagedkv.entrypoints.server.openai_server import build_app
 from pagedkv.sampling import SamplingParams
 from tests.live_server import live_server, wait_idle
 

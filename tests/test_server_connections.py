@@ -22,10 +22,10 @@ import pytest
 
 from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
-from pagedkv.entrypoints import connections, kv_page
 from pagedkv.entrypoints.cli import build_parser
-from pagedkv.entrypoints.connections import ConnectionLimits, fit_fd_limit, uvicorn_options
-from pagedkv.entrypoints.openai_server import build_app
+from pagedkv.entrypoints.server import connections, kv_page
+from pagedkv.entrypoints.server.connections import ConnectionLimits, fit_fd_limit, uvicorn_options
+from pagedkv.entrypoints.server.openai_server import build_app
 from tests.live_server import live_server, wait_idle
 from tests.victim_stream import VictimStream
 
@@ -129,7 +129,7 @@ def test_unfinished_requests_are_closed_and_health_stays_fast(server, caplog):
 @pytest.mark.slow
 def test_connections_past_the_caps_are_refused_at_once(server, caplog):
     _, base_url, counter = server
-    caplog.set_level(logging.WARNING, logger="pagedkv.entrypoints.connections")
+    caplog.set_level(logging.WARNING, logger="pagedkv.entrypoints.server.connections")
     per_client = LIMITS.max_connections_per_client
     with ExitStack() as stack:
         for _ in range(per_client):

@@ -19,8 +19,8 @@ import pytest
 
 from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
-from pagedkv.entrypoints.limits import ServerLimits
-from pagedkv.entrypoints.openai_server import build_app
+from pagedkv.entrypoints.server.limits import ServerLimits
+from pagedkv.entrypoints.server.openai_server import build_app
 from tests.live_server import live_server, wait_idle
 from tests.victim_stream import greedy_text
 

@@ -14,7 +14,7 @@ import uvicorn
 
 from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
-from pagedkv.entrypoints.openai_server import DrainingServer, build_app, run_server
+from pagedkv.entrypoints.server.openai_server import DrainingServer, build_app, run_server
 from tests.live_server import live_server, wait_idle
 
 pytestmark = pytest.mark.slow

@@ -22,7 +22,7 @@ import pytest
 
 from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
-from pagedkv.entrypoints.openai_server import build_app
+from pagedkv.entrypoints.server.openai_server import build_app
 from tests.live_server import live_server, wait_idle
 from tests.victim_stream import VictimStream
 
@@ -283,7 +283,7 @@ def test_the_same_spec_compiles_once(server, monkeypatch):
 def test_serve_options_size_the_grammar_pool(engine):
     """--grammar-compile-threads and --grammar-compile-timeout-s reach the pool the server compiles on."""
     from pagedkv.entrypoints.cli import build_parser
-    from pagedkv.entrypoints.limits import ServerLimits
+    from pagedkv.entrypoints.server.limits import ServerLimits
 
     args = build_parser().parse_args(["serve", "--grammar-compile-threads", "2", "--grammar-compile-timeout-s", "2.5"])
     limits = ServerLimits.from_args(args)

@@ -17,10 +17,10 @@ import transformers
 
 from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
-from pagedkv.entrypoints.limits import ServerLimits
-from pagedkv.entrypoints.openai_server import build_app
-from pagedkv.entrypoints.protocol import APIError
-from pagedkv.entrypoints.serving_tokenize import TokenizerJobs
+from pagedkv.entrypoints.server.limits import ServerLimits
+from pagedkv.entrypoints.server.openai_server import build_app
+from pagedkv.entrypoints.server.protocol import APIError
+from pagedkv.entrypoints.server.serving_tokenize import TokenizerJobs
 from pagedkv.model.loader import model_directory
 from tests.live_server import live_server, wait_idle
 from tests.victim_stream import greedy_text

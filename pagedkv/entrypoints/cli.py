@@ -12,10 +12,10 @@ from pathlib import Path
 
 from pagedkv.config import EngineConfig
 from pagedkv.engine.chat_templates import ChatTemplateError
-from pagedkv.entrypoints.connections import ConnectionLimits
-from pagedkv.entrypoints.limits import ServerLimits
-from pagedkv.entrypoints.reasoning import REASONING_PARSERS
 from pagedkv.entrypoints.replicas.replica_options import add_replica_arguments, replicas_requested
+from pagedkv.entrypoints.server.connections import ConnectionLimits
+from pagedkv.entrypoints.server.limits import ServerLimits
+from pagedkv.entrypoints.server.reasoning import REASONING_PARSERS
 from pagedkv.sampling import SamplingParams
 
 BENCHMARKS = ("gather", "attention", "panel_linear", "throughput", "serving")
@@ -105,7 +105,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from pagedkv.entrypoints.replicas.ray_serve import serve_replicas
 
         return serve_replicas(args, engine_kwargs(args))
-    from pagedkv.entrypoints.openai_server import serve
+    from pagedkv.entrypoints.server.openai_server import serve
 
     return serve(args, engine_kwargs(args))
 

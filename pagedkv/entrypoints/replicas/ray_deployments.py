@@ -31,11 +31,11 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedkv.engine.metrics import ServerMetrics
-from pagedkv.entrypoints.limits import ServerLimits
-from pagedkv.entrypoints.openai_server import DEFAULT_MAX_BODY_BYTES, RequestGate, build_app, error_response
-from pagedkv.entrypoints.protocol import APIError
 from pagedkv.entrypoints.replicas.forwarding import ForwardedRequest, run_asgi
 from pagedkv.entrypoints.replicas.routing_keys import RoutingKeys
+from pagedkv.entrypoints.server.limits import ServerLimits
+from pagedkv.entrypoints.server.openai_server import DEFAULT_MAX_BODY_BYTES, RequestGate, build_app, error_response
+from pagedkv.entrypoints.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
 

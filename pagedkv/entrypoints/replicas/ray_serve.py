@@ -26,9 +26,9 @@ import signal
 import threading
 from typing import Any
 
-from pagedkv.entrypoints.limits import ServerLimits
-from pagedkv.entrypoints.openai_server import is_loopback
 from pagedkv.entrypoints.replicas.replica_options import ROUTERS
+from pagedkv.entrypoints.server.limits import ServerLimits
+from pagedkv.entrypoints.server.openai_server import is_loopback
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from pagedkv.engine.async_client import EngineStopped, RequestFailed
 from pagedkv.engine.request_stream import RequestStream
-from pagedkv.entrypoints.reasoning import ReasoningSplitter, Split
-from pagedkv.entrypoints.responses_api_objects import (
+from pagedkv.entrypoints.server.reasoning import ReasoningSplitter, Split
+from pagedkv.entrypoints.server.responses_api_objects import (
     EventCounter,
     FunctionCallItem,
     OutputItem,
@@ -32,10 +32,10 @@ from pagedkv.entrypoints.responses_api_objects import (
     ReasoningText,
     ResponseError,
 )
-from pagedkv.entrypoints.serving import EventStreamResponse, engine_error
+from pagedkv.entrypoints.server.serving import EventStreamResponse, engine_error
 
 if TYPE_CHECKING:
-    from pagedkv.entrypoints.responses_api import Turn
+    from pagedkv.entrypoints.server.responses_api import Turn
 
 Event = dict[str, Any]
 

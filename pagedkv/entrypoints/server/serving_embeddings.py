@@ -20,9 +20,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pagedkv.engine.prompts import EnginePrompt
-from pagedkv.entrypoints.protocol import APIError, prompt_shape
-from pagedkv.entrypoints.serving import ServingContext, collect
-from pagedkv.entrypoints.serving_completions import completion_prompts
+from pagedkv.entrypoints.server.protocol import APIError, prompt_shape
+from pagedkv.entrypoints.server.serving import ServingContext, collect
+from pagedkv.entrypoints.server.serving_completions import completion_prompts
 from pagedkv.sampling import POOLING_METHODS, SamplingParams
 
 

@@ -23,10 +23,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 from starlette.requests import Request
 
 from pagedkv.engine.prompts import encode_text
-from pagedkv.entrypoints.protocol import APIError, ChatMessage, value_error
-from pagedkv.entrypoints.request_fields import unhonoured_field
-from pagedkv.entrypoints.serving import ServingContext
-from pagedkv.entrypoints.tool_calls import chat_prompt
+from pagedkv.entrypoints.server.protocol import APIError, ChatMessage, value_error
+from pagedkv.entrypoints.server.request_fields import unhonoured_field
+from pagedkv.entrypoints.server.serving import ServingContext
+from pagedkv.entrypoints.server.tool_calls import chat_prompt
 
 MAX_NAMED_IDS = 8  # out-of-vocabulary ids an error lists
 

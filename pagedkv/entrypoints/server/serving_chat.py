@@ -24,7 +24,7 @@ from starlette.responses import Response
 
 from pagedkv.engine.async_client import RequestStream
 from pagedkv.engine.request import CompletionOutput, RequestOutput
-from pagedkv.entrypoints.openai_objects import (
+from pagedkv.entrypoints.server.openai_objects import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -35,10 +35,10 @@ from pagedkv.entrypoints.openai_objects import (
     PromptLogprobs,
     ToolCallResponse,
 )
-from pagedkv.entrypoints.prompt_scores import vllm_prompt_logprobs
-from pagedkv.entrypoints.protocol import ChatCompletionRequest
-from pagedkv.entrypoints.reasoning import ReasoningSplitter, Split, for_the_answer, split_reasoning
-from pagedkv.entrypoints.serving import (
+from pagedkv.entrypoints.server.prompt_scores import vllm_prompt_logprobs
+from pagedkv.entrypoints.server.protocol import ChatCompletionRequest
+from pagedkv.entrypoints.server.reasoning import ReasoningSplitter, Split, for_the_answer, split_reasoning
+from pagedkv.entrypoints.server.serving import (
     EventStreamResponse,
     ServingContext,
     chat_logprobs,
@@ -46,7 +46,7 @@ from pagedkv.entrypoints.serving import (
     fresh_samples,
     usage,
 )
-from pagedkv.entrypoints.tool_calls import ToolPlan, chat_prompt, plan_tools
+from pagedkv.entrypoints.server.tool_calls import ToolPlan, chat_prompt, plan_tools
 
 
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, request: Request) -> Response:

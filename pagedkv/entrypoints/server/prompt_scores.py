@@ -10,8 +10,8 @@
 from __future__ import annotations
 
 from pagedkv.engine.request import CompletionOutput, PromptLogprob, RequestOutput
-from pagedkv.entrypoints.openai_objects import CompletionLogprobs, PromptLogprobs, PromptTokenLogprob
-from pagedkv.entrypoints.serving import ServingContext, completion_logprobs
+from pagedkv.entrypoints.server.openai_objects import CompletionLogprobs, PromptLogprobs, PromptTokenLogprob
+from pagedkv.entrypoints.server.serving import ServingContext, completion_logprobs
 
 
 def vllm_prompt_logprobs(ctx: ServingContext, entries: list[PromptLogprob | None], k: int) -> PromptLogprobs:

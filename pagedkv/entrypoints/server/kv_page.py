@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from starlette.responses import HTMLResponse, Response
 
 from pagedkv.engine.core_thread import EngineStopped
-from pagedkv.entrypoints.protocol import APIError
+from pagedkv.entrypoints.server.protocol import APIError
 from pagedkv.kv.snapshot import KVSnapshot, read_engine, snapshot_json
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 @cache
 def page_html() -> str:
-    return resources.files("pagedkv.entrypoints").joinpath("kv_page.html").read_text(encoding="utf-8")
+    return resources.files("pagedkv.entrypoints.server").joinpath("kv_page.html").read_text(encoding="utf-8")
 
 
 def add_kv_routes(app: FastAPI, engine: AsyncEngine) -> None:

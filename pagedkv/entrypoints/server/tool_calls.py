@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.engine.prompts import EnginePrompt
-from pagedkv.entrypoints.openai_objects import FunctionCall, ToolCallResponse
-from pagedkv.entrypoints.protocol import APIError, ChatMessage, echoed
+from pagedkv.entrypoints.server.openai_objects import FunctionCall, ToolCallResponse
+from pagedkv.entrypoints.server.protocol import APIError, ChatMessage, echoed
 from pagedkv.structured import StructuredOutputsParams, lark_json
 
 MAX_TOOLS = 128

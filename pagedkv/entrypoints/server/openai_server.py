@@ -34,21 +34,21 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagedkv.engine.async_client import AsyncEngine
 from pagedkv.engine.grammar_pool import GrammarPool
 from pagedkv.engine.metrics import ServerMetrics
-from pagedkv.entrypoints.connections import ConnectionLimits, fit_fd_limit, uvicorn_options
-from pagedkv.entrypoints.kv_page import KV_PATHS, KVAuthRequired, add_kv_routes, basic_auth_matches
-from pagedkv.entrypoints.limits import ServerLimits
-from pagedkv.entrypoints.ollama_api import add_ollama_routes
-from pagedkv.entrypoints.ollama_protocol import is_ollama_path, ollama_error_body
-from pagedkv.entrypoints.openai_objects import ModelCard, ModelList
-from pagedkv.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, echoed
-from pagedkv.entrypoints.responses_api import ResponsesAPI, add_responses_routes
-from pagedkv.entrypoints.responses_api_store import ResponseStore
-from pagedkv.entrypoints.serving import ServingContext
-from pagedkv.entrypoints.serving_chat import create_chat_completion
-from pagedkv.entrypoints.serving_completions import create_completion
-from pagedkv.entrypoints.serving_embeddings import EmbeddingRequest, create_embedding
-from pagedkv.entrypoints.serving_tokenize import add_tokenize_routes
-from pagedkv.entrypoints.tool_calls import template_supports_tools
+from pagedkv.entrypoints.server.connections import ConnectionLimits, fit_fd_limit, uvicorn_options
+from pagedkv.entrypoints.server.kv_page import KV_PATHS, KVAuthRequired, add_kv_routes, basic_auth_matches
+from pagedkv.entrypoints.server.limits import ServerLimits
+from pagedkv.entrypoints.server.ollama_api import add_ollama_routes
+from pagedkv.entrypoints.server.ollama_protocol import is_ollama_path, ollama_error_body
+from pagedkv.entrypoints.server.openai_objects import ModelCard, ModelList
+from pagedkv.entrypoints.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, echoed
+from pagedkv.entrypoints.server.responses_api import ResponsesAPI, add_responses_routes
+from pagedkv.entrypoints.server.responses_api_store import ResponseStore
+from pagedkv.entrypoints.server.serving import ServingContext
+from pagedkv.entrypoints.server.serving_chat import create_chat_completion
+from pagedkv.entrypoints.server.serving_completions import create_completion
+from pagedkv.entrypoints.server.serving_embeddings import EmbeddingRequest, create_embedding
+from pagedkv.entrypoints.server.serving_tokenize import add_tokenize_routes
+from pagedkv.entrypoints.server.tool_calls import template_supports_tools
 
 if TYPE_CHECKING:
     from pagedkv.engine.engine import LLMEngine

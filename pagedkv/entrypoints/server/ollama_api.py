@@ -24,26 +24,26 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pagedkv.entrypoints.ollama_embed import (
+from pagedkv.entrypoints.server.ollama_embed import (
     OllamaEmbeddingsRequest,
     OllamaEmbedRequest,
     ollama_embed,
     ollama_embeddings,
 )
-from pagedkv.entrypoints.ollama_protocol import (
+from pagedkv.entrypoints.server.ollama_protocol import (
     OLLAMA_DEFAULTS,
     OllamaChatRequest,
     OllamaGenerateRequest,
     OllamaShowRequest,
 )
-from pagedkv.entrypoints.ollama_serving import check_model, create_ollama_response
-from pagedkv.entrypoints.protocol import APIError
-from pagedkv.entrypoints.serving import ServingContext
+from pagedkv.entrypoints.server.ollama_serving import check_model, create_ollama_response
+from pagedkv.entrypoints.server.protocol import APIError
+from pagedkv.entrypoints.server.serving import ServingContext
 from pagedkv.model.gguf_file import GGUFFile, split_files
 
 if TYPE_CHECKING:
     from pagedkv.engine.engine import LLMEngine
-    from pagedkv.entrypoints.openai_server import BodyParser
+    from pagedkv.entrypoints.server.openai_server import BodyParser
 
 # The Ollama release whose API these routes follow (docs.ollama.com/api, /api/version's example).
 OLLAMA_API_VERSION = "0.12.6"

@@ -20,10 +20,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pagedkv.engine.request_stream import RequestStream
-from pagedkv.entrypoints.openai_objects import ToolCallResponse
-from pagedkv.entrypoints.protocol import APIError, ChatMessage, echoed
-from pagedkv.entrypoints.reasoning import Split, for_the_answer, split_reasoning
-from pagedkv.entrypoints.responses_api_objects import (
+from pagedkv.entrypoints.server.openai_objects import ToolCallResponse
+from pagedkv.entrypoints.server.protocol import APIError, ChatMessage, echoed
+from pagedkv.entrypoints.server.reasoning import Split, for_the_answer, split_reasoning
+from pagedkv.entrypoints.server.responses_api_objects import (
     FunctionCallItem,
     IncompleteDetails,
     OutputItem,
@@ -34,11 +34,11 @@ from pagedkv.entrypoints.responses_api_objects import (
     ResponseObject,
     response_usage,
 )
-from pagedkv.entrypoints.responses_api_protocol import ResponsesRequest
-from pagedkv.entrypoints.responses_api_store import ResponseStore, owner_of
-from pagedkv.entrypoints.responses_api_stream import TypedEventStream, response_events
-from pagedkv.entrypoints.serving import ServingContext, collect
-from pagedkv.entrypoints.tool_calls import ToolPlan, chat_prompt, plan_tools
+from pagedkv.entrypoints.server.responses_api_protocol import ResponsesRequest
+from pagedkv.entrypoints.server.responses_api_store import ResponseStore, owner_of
+from pagedkv.entrypoints.server.responses_api_stream import TypedEventStream, response_events
+from pagedkv.entrypoints.server.serving import ServingContext, collect
+from pagedkv.entrypoints.server.tool_calls import ToolPlan, chat_prompt, plan_tools
 
 
 @dataclass(slots=True)

@@ -2,7 +2,7 @@
 
 Choice ``index`` is ``prompt_index * n + sample_index``, as in the OpenAI API, so a batch of prompts with
 n samples each comes back in one flat list that a client can map back without extra fields. ``echo`` and
-vLLM's ``prompt_logprobs`` return the prompt's scores (``pagedkv.entrypoints.prompt_scores``); streamed,
+vLLM's ``prompt_logprobs`` return the prompt's scores (``pagedkv.entrypoints.server.prompt_scores``); streamed,
 they come with each choice's first event.
 """
 
@@ -18,10 +18,10 @@ from starlette.responses import Response
 from pagedkv.engine.async_client import RequestStream
 from pagedkv.engine.prompts import EnginePrompt
 from pagedkv.engine.request import CompletionOutput, RequestOutput
-from pagedkv.entrypoints.openai_objects import CompletionChoice, CompletionResponse
-from pagedkv.entrypoints.prompt_scores import echo_choice, echoed_prompt, vllm_prompt_logprobs
-from pagedkv.entrypoints.protocol import APIError, CompletionRequest
-from pagedkv.entrypoints.serving import (
+from pagedkv.entrypoints.server.openai_objects import CompletionChoice, CompletionResponse
+from pagedkv.entrypoints.server.prompt_scores import echo_choice, echoed_prompt, vllm_prompt_logprobs
+from pagedkv.entrypoints.server.protocol import APIError, CompletionRequest
+from pagedkv.entrypoints.server.serving import (
     EventStreamResponse,
     ServingContext,
     collect,

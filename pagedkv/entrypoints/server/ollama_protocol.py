@@ -20,9 +20,9 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from pagedkv.engine.prompts import EnginePrompt
-from pagedkv.entrypoints.ollama_tools import chat_message
-from pagedkv.entrypoints.protocol import MAX_ECHOED_CHARS, APIError, ChatMessage, echoed, sampling_params
-from pagedkv.entrypoints.tool_calls import ToolPlan, chat_prompt, plan_tools
+from pagedkv.entrypoints.server.ollama_tools import chat_message
+from pagedkv.entrypoints.server.protocol import MAX_ECHOED_CHARS, APIError, ChatMessage, echoed, sampling_params
+from pagedkv.entrypoints.server.tool_calls import ToolPlan, chat_prompt, plan_tools
 from pagedkv.sampling import SamplingParams
 from pagedkv.structured import StructuredOutputsParams
 

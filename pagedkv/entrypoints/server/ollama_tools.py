@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagedkv.entrypoints.openai_objects import ToolCallResponse
-from pagedkv.entrypoints.protocol import APIError, ChatMessage
+from pagedkv.entrypoints.server.openai_objects import ToolCallResponse
+from pagedkv.entrypoints.server.protocol import APIError, ChatMessage
 
 
 def openai_call(call: Any, where: str) -> dict[str, Any]:

@@ -19,8 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, field_validator
 
-from pagedkv.entrypoints.protocol import APIError, echoed, sampling_params
-from pagedkv.entrypoints.tool_calls import NAME
+from pagedkv.entrypoints.server.protocol import APIError, echoed, sampling_params
+from pagedkv.entrypoints.server.tool_calls import NAME
 from pagedkv.sampling import SamplingParams
 from pagedkv.structured import StructuredOutputsParams
 

@@ -24,8 +24,8 @@ from pagedkv.engine.async_client import (
     RequestStream,
 )
 from pagedkv.engine.request import CompletionOutput, RequestOutput
-from pagedkv.entrypoints.limits import ServerLimits
-from pagedkv.entrypoints.openai_objects import (
+from pagedkv.entrypoints.server.limits import ServerLimits
+from pagedkv.entrypoints.server.openai_objects import (
     ChatLogprobs,
     CompletionLogprobs,
     PromptTokensDetails,
@@ -33,7 +33,7 @@ from pagedkv.entrypoints.openai_objects import (
     TopLogprob,
     Usage,
 )
-from pagedkv.entrypoints.protocol import APIError, echoed, value_error
+from pagedkv.entrypoints.server.protocol import APIError, echoed, value_error
 from pagedkv.kv import cache_report
 from pagedkv.sampling import SamplingParams
 

@@ -18,11 +18,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from pagedkv.engine.prompts import EnginePrompt
-from pagedkv.entrypoints.ollama_protocol import refuse_unknown
-from pagedkv.entrypoints.ollama_serving import check_model
-from pagedkv.entrypoints.protocol import APIError
-from pagedkv.entrypoints.serving import ServingContext
-from pagedkv.entrypoints.serving_embeddings import embed
+from pagedkv.entrypoints.server.ollama_protocol import refuse_unknown
+from pagedkv.entrypoints.server.ollama_serving import check_model
+from pagedkv.entrypoints.server.protocol import APIError
+from pagedkv.entrypoints.server.serving import ServingContext
+from pagedkv.entrypoints.server.serving_embeddings import embed
 
 NS = 1_000_000_000
 

@@ -21,11 +21,11 @@ from starlette.responses import JSONResponse, Response
 
 from pagedkv.engine.async_client import EngineStopped, RequestFailed, RequestStream
 from pagedkv.engine.request import CompletionOutput, RequestOutput
-from pagedkv.entrypoints.ollama_protocol import OllamaChatRequest, OllamaGenerateRequest
-from pagedkv.entrypoints.ollama_tools import ollama_tool_calls
-from pagedkv.entrypoints.protocol import APIError, echoed
-from pagedkv.entrypoints.serving import EventStreamResponse, ServingContext, chat_logprobs, collect, engine_error
-from pagedkv.entrypoints.tool_calls import ToolPlan
+from pagedkv.entrypoints.server.ollama_protocol import OllamaChatRequest, OllamaGenerateRequest
+from pagedkv.entrypoints.server.ollama_tools import ollama_tool_calls
+from pagedkv.entrypoints.server.protocol import APIError, echoed
+from pagedkv.entrypoints.server.serving import EventStreamResponse, ServingContext, chat_logprobs, collect, engine_error
+from pagedkv.entrypoints.server.tool_calls import ToolPlan
 
 NS = 1_000_000_000
 OllamaRequest = OllamaChatRequest | OllamaGenerateRequest

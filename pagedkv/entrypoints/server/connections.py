@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from pagedkv.entrypoints.protocol import APIError
+from pagedkv.entrypoints.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
 
