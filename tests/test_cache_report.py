@@ -138,4 +138,4 @@ def test_aggregate_over_several_prompts():
     assert aggregate(["hit", "new", "evicted"]) == "new"
     assert aggregate([None, "waited"]) == "waited"
     assert aggregate([]) is None
-    assert set(MISS_REASONS) == {"hit", "new", "evicted", "last_token", "waited", "disabled"}
+    assert set(MISS_REASONS) == {"hit", "new", "evicted", "last_token", "waited", "disabled", "window"}

@@ -6,15 +6,14 @@ each is exercised here because the tiny model sets every one of them away from t
 shorter than, equal to and 3x the window, prefilled whole, in chunks, mixed with decodes, and through the
 engine with prefix-cache hits; pools start as NaN, so a read of an unwritten slot shows.
 
+Windowed layers release the blocks that slid out of their window: docs/sliding-window.md, tested in
+test_sliding_window_kv.py (tensor parallelism and kv_cache_dir still keep every block).
+
 What remains of issue 26 for Gemma 3 (not done here):
-- windowed layers still hold every block of a request: blocks that slid out of every windowed layer's view
-  are not released (the hybrid allocator, issue item 2: block tables per layer kind, prefix-hit rules for
-  windowed layers, eviction order), so KV memory is that of full attention; the kernel still reads the keys
-  just before a row's window where a tile straddles its start (with weight 0), which released blocks must allow;
 - the compiled decoder stack takes no Gemma layer (four norms, GeLU, windows, two RoPE bases): Gemma's layers
   run as modules, said in a log line (the attention kernel takes the window: tests/test_kernel_window.py);
 - speed: the 262k-vocabulary LM head of Gemma 3 270M dominates its step and is not tuned; the real file's
-  >1,500-token conversation and the 4,096-token memory bound of the acceptance are not tested. The ``gemma3``
+  >1,500-token conversation is not tested (the 4,096-token memory bound is, on a tiny model). The ``gemma3``
   GGUF architecture is tested in test_gemma3_gguf.py, the real 270M file in test_gemma3_real.py (opt-in).
 """
 

@@ -25,6 +25,7 @@ from pagedkv.attention.backend import select_backend
 from pagedkv.config import EngineConfig
 from pagedkv.engine.chat_templates import load_chat_template
 from pagedkv.engine.core import EngineCore
+from pagedkv.engine.kv_groups import make_kv_manager
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.prompts import encode_text, render_chat
 from pagedkv.engine.request import OutputKind, Request, RequestOutput
@@ -35,7 +36,6 @@ from pagedkv.kv.block_directory import prepare_directory
 from pagedkv.kv.disk_fingerprint import engine_fingerprint
 from pagedkv.kv.disk_tier import DiskTier
 from pagedkv.kv.events import KVEventBatch, KVEventPublisher, KVEventRecorder, check_endpoint
-from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.ops import KV_DTYPES
 from pagedkv.model.loader import default_model_path, load_model, model_directory
 from pagedkv.parallel import workers
@@ -78,7 +78,7 @@ class LLMEngine:
         kv_dtype = KV_DTYPES[config.kv_cache_dtype]
         block_bytes = kv_block_bytes(model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, kv_dtype)
         num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gb * 2**30) // block_bytes)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = make_kv_manager(config, model.spec, num_blocks, tp.world_size)
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
@@ -109,10 +109,10 @@ class LLMEngine:
         logger.info(
             "engine ready: %s, %d KV blocks of %d tokens (%s, %.2f GiB), max_model_len %d, attention %s, kernels %s",
             self.model_path,
-            num_blocks,
+            self.kv.num_total_blocks,
             config.block_size,
             config.kv_cache_dtype,
-            num_blocks * block_bytes / 2**30,
+            sum(k.nbytes + v.nbytes for k, v in self.runner.kv_caches) / 2**30,
             self.max_model_len,
             self.attention.name,
             self.kernels,

@@ -59,10 +59,15 @@ class ModelRunner:
         self.kv = kv
         self.tp = tp
         self.workers = workers  # rank 0's handle on the other ranks (None: one process, or a worker itself)
-        shape = (kv.num_total_blocks, kv.block_size, model.num_kv_heads, model.head_dim)
-        self.kv_caches: list[tuple[Tensor, Tensor]] = [
-            (torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)) for _ in range(model.num_layers)
-        ]
+        # With sliding-window layers (HybridKVCacheManager) those layers' pools are the windowed group's, its
+        # null block included (zeros, never written: the kernel never reads it, the torch backend copies and skips
+        # it); the others are the full group's.
+        windowed = getattr(kv, "windowed", None)
+        self.kv_caches: list[tuple[Tensor, Tensor]] = []
+        for layer in range(model.num_layers):
+            blocks = windowed.num_pool_blocks if windowed and model.spec.window(layer) else kv.num_total_blocks
+            shape = (blocks, kv.block_size, model.num_kv_heads, model.head_dim)
+            self.kv_caches.append((torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)))
 
     def execute(self, step: SchedulerOutput) -> StepResult:
         """Run the model on one step, the scheduled requests in any order.
@@ -93,6 +98,7 @@ class ModelRunner:
     def prepare(self, step: SchedulerOutput) -> tuple[StepInputs, list[tuple[int, int]]]:
         """The step's flat inputs, and ``(index in step.scheduled, rows)`` of each request sampled."""
         inputs = StepInputs([], [], [], [], [], [], [], [])
+        windowed = hasattr(self.kv, "windowed")
         sampled: list[tuple[int, int]] = []
         for i, s in enumerate(step.scheduled):
             request = s.request
@@ -114,6 +120,8 @@ class ModelRunner:
                     inputs.pooled.append(PooledRange(i, first_row + kept.start - start, kept.start, len(kept)))
             inputs.positions.extend(range(start, end))
             inputs.block_tables.append(self.kv.block_table(request.request_id))
+            if windowed:
+                inputs.window_block_tables.append(self.kv.window_block_table(request.request_id))
             inputs.query_lens.append(s.num_scheduled_tokens)
             inputs.seq_lens.append(end)
             rows = 1 + len(s.draft_token_ids)
@@ -135,8 +143,15 @@ class ModelRunner:
         meta = self.model.attention.build_metadata(
             inputs.block_tables, inputs.query_lens, inputs.seq_lens, self.kv.block_size
         )
+        window_meta = None
+        if inputs.window_block_tables:  # the windowed layers' own block tables (HybridKVCacheManager)
+            window_meta = self.model.attention.build_metadata(
+                inputs.window_block_tables, inputs.query_lens, inputs.seq_lens, self.kv.block_size
+            )
         if inputs.shared_rows:
             meta.slot_mapping[inputs.shared_rows] = ops.PAD_SLOT
+            if window_meta is not None:
+                window_meta.slot_mapping[inputs.shared_rows] = ops.PAD_SLOT
         scoring_rows = [r.first_row + i for r in inputs.scored for i in range(len(r.targets))]
         pooled_rows = [r.first_row + i for r in inputs.pooled for i in range(r.count)]
         hidden = self.model.hidden_states(
@@ -145,6 +160,7 @@ class ModelRunner:
             meta,
             self.kv_caches,
             torch.tensor(inputs.sampled_rows + scoring_rows + pooled_rows, dtype=torch.int64),
+            window_meta,
         )
         num_sampled, num_scoring = len(inputs.sampled_rows), len(scoring_rows)
         logits = self.model.compute_logits(hidden[:num_sampled])

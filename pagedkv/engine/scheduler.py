@@ -226,16 +226,17 @@ class Scheduler:
                 held_back.add(group)
                 continue  # its prompt's logprobs come first (see Request.scorer)
             self.kv.load_from_disk(request.block_keys, request.num_tokens, request.event_token_ids)  # kv_cache_dir
-            hit = self.kv.find_cached_prefix(request.block_keys, request.num_tokens)
+            # Scoring the prompt or pooling every row needs every position: its prefill starts at 0 over the
+            # cached blocks (their K/V is read, not written again), as much work as a cold run and never more.
+            from_start = request.scores_prompt or needs_every_row(request.params.pooling)
+            hit = self.kv.find_cached_prefix(request.block_keys, request.num_tokens, from_start)
             first_new_block = len(hit.block_ids)
             if first_new_block < len(request.block_keys) and request.block_keys[first_new_block] in in_flight:
                 if request.waited_for_block is None:
                     request.waited_for_block = first_new_block
                 held_back.add(group)
                 continue
-            # Scoring the prompt needs every position's logits: its prefill starts at 0 over the cached
-            # blocks (their K/V is read, not written again), as much work as a cold run and never more.
-            start = 0 if request.scores_prompt or needs_every_row(request.params.pooling) else hit.num_tokens
+            start = 0 if from_start else hit.num_tokens
             num_new = min(request.num_tokens - start, budget, prefill.chunk(request, start))
             if num_new == 0 or not self._allocate(request, max(hit.num_tokens, start + num_new), prefix=hit):
                 break
@@ -307,6 +308,10 @@ class Scheduler:
                     raise RuntimeError("sampling failed")
                 embedding = self._pool(request, s, pooled.get(i) if pooled else None)
                 core = self._advance(s, rows_of.get(i), out)
+                if not request.is_finished:  # windowed layers: release the blocks that slid out of the window
+                    self.kv.slide(
+                        request.request_id, request.block_keys, request.num_computed_tokens, request.event_token_ids
+                    )
                 core.prompt_logprobs = prompt_logprobs.get(i)
                 core.embedding = embedding
                 outputs.append(core)

@@ -44,3 +44,6 @@ class StepInputs:
     # rank 0's alone (not sent to tensor-parallel workers): pooled rows only select final hidden states, which
     # every rank holds whole, so no collective depends on them
     pooled: list[PooledRange] = field(default_factory=list)
+    # the windowed layers' block tables, one per request, where the KV manager keeps them apart (sliding-window
+    # layers: pagedkv.kv.hybrid); empty otherwise
+    window_block_tables: list[list[int]] = field(default_factory=list)

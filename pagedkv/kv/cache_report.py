@@ -10,10 +10,12 @@ The reason is about the first full block the request had to compute -- where its
 - ``evicted``: that block's key was cached and has been evicted lately (a bounded record of keys).
 - ``new``: never cached -- including a prompt with no full block, and a prefix cached only under another
   ``cache_salt``: keys include the salt, so other tenants' blocks are invisible here, by construction.
+- ``window``: the full-attention layers still had that block, but the sliding-window layers' blocks its
+  window needs had been evicted (``pagedkv.kv.hybrid``; docs/sliding-window.md).
 - ``disabled``: the engine runs without prefix caching.
 
 Precedence is the order of the checks in ``miss_reason``: ``disabled``, ``waited``, ``hit``, ``last_token``,
-``evicted``, ``new``.
+``evicted``, ``new``; ``window`` comes right after ``waited`` (``HybridKVCacheManager.miss_reason``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ if TYPE_CHECKING:
     from pagedkv.kv.block_pool import BlockPool
 
 HIT, NEW, EVICTED, LAST_TOKEN, WAITED, DISABLED = "hit", "new", "evicted", "last_token", "waited", "disabled"
-MISS_REASONS = (HIT, NEW, EVICTED, LAST_TOKEN, WAITED, DISABLED)
+WINDOW = "window"
+MISS_REASONS = (HIT, NEW, EVICTED, LAST_TOKEN, WAITED, DISABLED, WINDOW)
 
 
 def miss_reason(

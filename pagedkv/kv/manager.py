@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from pagedkv.kv import cache_report
 from pagedkv.kv.block_pool import BlockPool
 from pagedkv.kv.hashing import BlockKey
+from pagedkv.kv.window_group import WindowHit
 
 if TYPE_CHECKING:
     from pagedkv.kv.disk_tier import DiskTier
@@ -35,12 +36,15 @@ class PrefixHit:
 
     `block_keys` are the keys the blocks were found under; `allocate` checks them so a hit that went
     stale (its block evicted and reused in between) fails loudly instead of serving someone else's K/V.
+    With sliding-window layers (``pagedkv.kv.hybrid``): their blocks, and whether their evictions cut it short.
     """
 
     block_ids: list[int]
     num_tokens: int
     num_queried_tokens: int
     block_keys: list[BlockKey]
+    window: WindowHit | None = None
+    window_cut: bool = False
 
 
 class KVCacheManager:
@@ -115,11 +119,14 @@ class KVCacheManager:
         self._stored(block_keys, missing[: len(loaded)], token_ids)
         return len(loaded)
 
-    def find_cached_prefix(self, block_keys: Sequence[BlockKey], num_prompt_tokens: int) -> PrefixHit:
+    def find_cached_prefix(
+        self, block_keys: Sequence[BlockKey], num_prompt_tokens: int, from_start: bool = False
+    ) -> PrefixHit:
         """Longest run of leading blocks whose keys are cached; changes nothing and counts nothing.
 
         At least one prompt token must be left to compute (its logits give the first output token), so a
-        prompt of exactly k full blocks can reuse at most k - 1 of them.
+        prompt of exactly k full blocks can reuse at most k - 1 of them. ``from_start``: the request
+        recomputes every position over the hit (it scores its prompt); only windowed layers care.
         """
         if not self.enable_prefix_caching:
             return PrefixHit([], 0, 0, [])
@@ -240,6 +247,11 @@ class KVCacheManager:
         self._num_keyed.pop(request_id, None)
         if table:
             self.pool.release(reversed(table))
+
+    def slide(
+        self, request_id: str, block_keys: Sequence[BlockKey], num_computed_tokens: int, token_ids: Sequence[int] = ()
+    ) -> None:
+        """After each step of a request: nothing, full-attention blocks are read to the end (see hybrid.py)."""
 
     def miss_reason(self, block_keys: Sequence[BlockKey], prefix: PrefixHit, waited_for_block: int | None) -> str:
         """Why the prompt's cached prefix ends where ``prefix`` (this step's lookup) ends; see ``cache_report``."""

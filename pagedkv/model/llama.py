@@ -224,8 +224,12 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[tuple[Tensor, Tensor]],
         rows: Tensor,
+        window_meta: AttentionMetadata | None = None,
     ) -> Tensor:
         """The final (normed) hidden states ``[len(rows), hidden]`` of chosen rows: what the LM head reads.
+
+        ``window_meta``: the step over the sliding-window layers' own block tables, where the KV manager keeps
+        those apart (``pagedkv.kv.hybrid``); None: every layer reads ``meta``'s.
 
         A caller that needs logits for many rows (scoring a prompt) turns them into logits a slice at a
         time with :meth:`compute_logits`, instead of holding ``rows x vocab`` floats at once.
@@ -242,7 +246,8 @@ class LlamaForCausalLM(nn.Module):
             h = self._stack(h, *tables[0], meta, kv_caches)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                h = layer(h, *tables[layer.rope], meta, kv_cache)
+                layer_meta = window_meta if window_meta is not None and layer.self_attn.window else meta
+                h = layer(h, *tables[layer.rope], layer_meta, kv_cache)
         return self.norm(h[rows])
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
