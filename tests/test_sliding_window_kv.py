@@ -242,3 +242,19 @@ def test_the_pools_are_sized_per_group(checkpoint):  # noqa: F811
     assert torch.count_nonzero(engine.runner.kv_caches[0][0][-1]) == 0  # the null block: never written
     llm.close()
 
+
+@pytest.mark.parametrize("backend", ["gather", "kernel"])
+def test_released_blocks_are_never_read(pair, checkpoint, backend):  # noqa: F811
+    """The null block that stands for released blocks is filled with NaN: one read of it, even with weight 0,
+    would turn the logits into NaN. Chunked and decoded prompts of up to 5x the window match HF."""
+    hf, _ = pair
+    llm = _llm(checkpoint, backend)
+    runner = llm.engine.runner
+    for window, (k_pool, v_pool) in zip(runner.model.spec.layer_windows, runner.kv_caches, strict=True):
+        if window:
+            k_pool[-1].fill_(float("nan"))
+            v_pool[-1].fill_(float("nan"))
+    prompts = [_prompt(90, 5 * WINDOW), _prompt(91, 2 * WINDOW + 1)]
+    params = SamplingParams(max_tokens=20, temperature=0, logprobs=1, ignore_eos=True)
+    _check_against_hf(hf, prompts, llm.generate(prompt_token_ids=prompts, sampling_params=params))
+    llm.close()

@@ -18,8 +18,9 @@
 // every row of an item are not walked (a windowed layer's cost stays bounded however long the context), a
 // partition out of one row's view is not merged into it (the first it merges is the one holding p - w + 1),
 // and within a tile the keys before the view get weight 0 like the keys past p. All of this depends on p and
-// w alone, so a windowed row is as batch-invariant as any other. Keys out of view are still read where a
-// tile straddles the view's start (their weight is 0): their blocks must hold finite values.
+// w alone, so a windowed row is as batch-invariant as any other. Where a tile straddles the view's start, the
+// keys before it are not read (the view's first key stands in, with weight 0): a windowed layer's released
+// blocks -- its table's null entries, docs/sliding-window.md -- are never touched, whatever they hold.
 //
 // Work items: up to kRows consecutive rows of one request, over all their partitions in turn, merged as they
 // come -- except a lone row (a decode) with a long context, whose partitions are items of their own, so that
@@ -295,19 +296,23 @@ void attend(const Problem& pr, const Item& item, int64_t part, Scratch& s) {
   std::fill(s.m.begin(), s.m.end(), kNegInf);
   std::fill(s.l.begin(), s.l.end(), 0.0f);
 
-  // Where each key of the partition lies in the pool (KV head 0), read through the block table once.
+  // Where each key of the partition lies in the pool (KV head 0), read through the block table once. The keys
+  // before the item's earliest view (weight 0 in every row) are not read: they take the view's first key's
+  // offset, so the blocks a windowed layer released (its table's null entries) are never touched.
   const int64_t* table = pr.tables + item.request * pr.max_blocks;
   int64_t* offsets = s.offsets.data();
-  for (int64_t t = begin, block = begin / bs, offset = begin % bs; t < end; ++t) {
+  const int64_t view = pr.view_start(first_pos), seen = std::max(begin, view);
+  for (int64_t t = seen, block = seen / bs, offset = seen % bs; t < end; ++t) {
     offsets[t - begin] = (table[block] * bs + offset) * pr.kv_heads * dim;
     if (++offset == bs) offset = 0, ++block;
   }
+  std::fill(offsets, offsets + (seen - begin), offsets[seen - begin]);
   std::fill(offsets + (end - begin), offsets + round_up(end - begin, kLanes), offsets[0]);  // valid, discarded
 
   // Keys per slice of the first and last pass: one KV head's rows of them fill half the L1 (32 KiB on most x86).
   const int64_t sub = std::clamp<int64_t>(16384 / (dim * sizeof(T)) / kLanes * kLanes, kLanes, kTile);
   // Tiles before the first row's view (the earliest of the item's) hold no key any row attends to.
-  const int64_t view = pr.view_start(first_pos), first_tile = begin + std::max<int64_t>(0, view - begin) / kTile * kTile;
+  const int64_t first_tile = begin + std::max<int64_t>(0, view - begin) / kTile * kTile;
   for (int64_t t = first_tile; t < end; t += kTile) {
     const int64_t n = std::min(kTile, end - t), next = std::min(kTile, end - t - n);
     const int64_t* tile = offsets + (t - begin);
