@@ -17,7 +17,9 @@ from pagedkv import LLM, SamplingParams, kernels
 from pagedkv.engine.kv_groups import split_kv_budget, window_group_need
 from pagedkv.kv.hashing import extend_block_keys
 from pagedkv.kv.hybrid import HybridKVCacheManager
-from tests.test_gemma3 import WINDOW, _check_against_hf, _prompt, checkpoint, pair  # noqa: F401 - fixtures
+from tests.hf_reference import check_against_hf as _check_against_hf
+from tests.hf_reference import save_with_word_tokenizer
+from tests.test_gemma3 import WINDOW, _prompt, checkpoint, pair  # noqa: F401 - fixtures
 
 BLOCK = 4
 BOUND = -(-WINDOW // BLOCK) + 1  # windowed blocks a request may hold between steps
@@ -194,10 +196,8 @@ def test_a_4096_token_request_holds_the_acceptance_bound(tmp_path):
 
     window, block = 64, 16
     hf = _hf_model(_config(sliding_window=window, max_position_embeddings=4200))
-    hf.save_pretrained(tmp_path)
-    _save_tokenizer(tmp_path)
     llm = LLM(
-        model=str(tmp_path),
+        model=save_with_word_tokenizer(hf, tmp_path),
         block_size=block,
         num_kv_blocks=300,
         weight_format="float32",
@@ -220,15 +220,6 @@ def test_a_4096_token_request_holds_the_acceptance_bound(tmp_path):
     assert worst <= full * 4096 + windowed * (window + block)
     assert worst >= full * 4080  # it did run to the end of its context
     llm.close()
-
-
-def _save_tokenizer(directory) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0").save_pretrained(directory)
 
 
 def test_the_pools_are_sized_per_group(checkpoint):  # noqa: F811
