@@ -67,10 +67,10 @@ def _time_collectives(rank: int, world: int, init_method: str, repeats: int, res
         step = StepInputs(list(range(32)), list(range(32)), [[i] for i in range(32)], [1] * 32, [9] * 32,
                           list(range(32)), [], [])  # fmt: skip
         if tp.is_driver:
-            rows["step broadcast (32 decodes)"] = _median_us(lambda: wire.send_step(tp, step), repeats)
+            rows["step broadcast (32 decodes)"] = _median_us(lambda: wire.send_lists(tp, step.to_wire()), repeats)
             wire.send_stop(tp)
         else:
-            while wire.receive_step(tp) is not None:
+            while wire.receive_lists(tp) is not None:
                 pass
         results.put((rank, rows))
     finally:

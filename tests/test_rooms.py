@@ -44,10 +44,6 @@ ROOM_NAME = {place: name for name, places in ROOMS for place in places}
 PENDING_UPWARD: dict[tuple[str, str], str] = {
     ("pagedkv.kernels", "pagedkv.kv.ops"): "the KV dtype table the kernels check against lives in kv/ops.py",
     ("pagedkv.kv.disk_files", "pagedkv.model.checkpoint"): "the safetensors dtype table lives with the loader",
-    ("pagedkv.parallel.wire", "pagedkv.engine.step_inputs"): "the step types and their wire format are apart",
-    ("pagedkv.parallel.workers", "pagedkv.engine.runner"): "a rank's serve loop builds its runner in parallel/",
-    ("pagedkv.parallel.workers", "pagedkv.model.loader"): "a rank's serve loop loads its model in parallel/",
-    ("pagedkv.parallel.workers", "pagedkv.model.spec"): "a rank's serve loop reads the model spec in parallel/",
 }
 
 
@@ -116,8 +112,7 @@ def test_no_cycle_between_rooms():
     """Apart from the pending arrows, the rooms' arrows form no cycle, whatever order ROOMS lists them in.
 
     A second check beside the rank test: moving a room in ROOMS to make a new arrow legal still fails here if
-    the arrow closes a loop. (The pending arrows close loops today: engine -> parallel -> engine is the one
-    real cycle, through parallel/workers.py's serve loop.)
+    the arrow closes a loop.
     """
     edges = {(ROOM_NAME[_place(s)], ROOM_NAME[_place(t)]) for s, t in _arrows() if (s, t) not in PENDING_UPWARD}
     remaining = {name for name, _ in ROOMS}

@@ -65,10 +65,10 @@ def _rank_checks(rank: int, world: int, init_method: str, model_dir: str, result
         expected_sum = sum(torch.randn(7, 33, generator=torch.Generator().manual_seed(r)) for r in range(world))
         tp.all_reduce(x)
         if tp.is_driver:
-            wire.send_step(tp, STEP)
+            wire.send_lists(tp, STEP.to_wire())
             received = STEP
         else:
-            received = wire.receive_step(tp)
+            received = StepInputs.from_wire(wire.receive_lists(tp))
         model = load_model(model_dir, "float32", TorchAttention(), False, tp).model
         layers: list[torch.Tensor] = []
         for layer in model.layers:
@@ -78,7 +78,7 @@ def _rank_checks(rank: int, world: int, init_method: str, model_dir: str, result
         if tp.is_driver:
             wire.send_stop(tp)
         else:
-            assert wire.receive_step(tp) is None
+            assert wire.receive_lists(tp) is None
     finally:
         leave_group()
 

@@ -23,6 +23,7 @@ import torch
 from pagedkv import kernels
 from pagedkv.attention.backend import select_backend
 from pagedkv.config import EngineConfig
+from pagedkv.engine import tp_worker
 from pagedkv.engine.chat_templates import load_chat_template
 from pagedkv.engine.core import EngineCore
 from pagedkv.engine.kv_groups import make_kv_manager
@@ -62,7 +63,9 @@ class LLMEngine:
         tp = SINGLE
         if config.tensor_parallel_size > 1:
             model_directory(config.model)  # a GGUF file's metadata converted once, here, not by every rank
-            self.workers = workers.start(config, config.model or default_model_path())
+            model_path = config.model or default_model_path()
+            tp_worker.check_divides(model_path, config.tensor_parallel_size, config.tensor_parallel_exact)
+            self.workers = workers.start(config, model_path, tp_worker.serve)
             weakref.finalize(self, self.workers.close)
             tp = self.workers.tp
         loaded = load_model(config.model, config.weight_format, self.attention, self.kernels, tp, config.max_model_len)

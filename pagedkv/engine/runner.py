@@ -89,7 +89,7 @@ class ModelRunner:
         else:
             self.workers.check()
             try:
-                wire.send_step(self.tp, inputs)
+                wire.send_lists(self.tp, inputs.to_wire())
                 logits, prompt_logprobs, pooled = self.run(inputs)
             except RuntimeError as exc:
                 raise self.workers.failure(exc) from exc  # a rank died, or hangs past the step timeout

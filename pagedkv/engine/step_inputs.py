@@ -1,9 +1,13 @@
 """StepInputs: one model step as flat lists -- what the runner builds from a scheduled step, what the model
-runs, and what rank 0 sends to tensor-parallel workers (``pagedkv.parallel.wire``)."""
+runs, and what rank 0 sends to tensor-parallel workers (as lists of ints, ``to_wire``, which
+``pagedkv.parallel.wire`` broadcasts)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
+
+_SCORED_FIELDS = 5  # a ScoredRange on the wire: index, first_row, first_position, count, top; then its targets
 
 
 @dataclass(slots=True)
@@ -47,3 +51,32 @@ class StepInputs:
     # the windowed layers' block tables, one per request, where the KV manager keeps them apart (sliding-window
     # layers: pagedkv.kv.hybrid); empty otherwise
     window_block_tables: list[list[int]] = field(default_factory=list)
+
+    def to_wire(self) -> list[list[int]]:
+        """What a tensor-parallel worker receives: only ids, lengths and row numbers, never request objects --
+        a worker knows nothing of requests, it runs the same flat step as rank 0 (``ModelRunner.run``)."""
+        scored = [v for r in self.scored for v in (r.index, r.first_row, r.first_position, len(r.targets), r.top)]
+        return [
+            self.input_ids,
+            self.positions,
+            self.query_lens,
+            self.seq_lens,
+            [len(t) for t in self.block_tables],
+            [b for t in self.block_tables for b in t],
+            self.sampled_rows,
+            self.shared_rows,
+            scored,
+            [t for r in self.scored for t in r.targets],
+        ]
+
+    @classmethod
+    def from_wire(cls, lists: list[list[int]]) -> StepInputs:
+        """The step ``to_wire`` sent (without the pooled rows, rank 0's alone)."""
+        ids, positions, query_lens, seq_lens, table_lens, tables, sampled, shared, scored, targets = lists
+        block_tables = [tables[end - n : end] for n, end in zip(table_lens, accumulate(table_lens), strict=True)]
+        ranges, start = [], 0
+        for i in range(0, len(scored), _SCORED_FIELDS):
+            index, first_row, first_position, count, top = scored[i : i + _SCORED_FIELDS]
+            ranges.append(ScoredRange(index, first_row, first_position, top, targets[start : start + count]))
+            start += count
+        return cls(ids, positions, block_tables, query_lens, seq_lens, sampled, shared, ranges)

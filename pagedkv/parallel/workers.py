@@ -1,8 +1,8 @@
 """Starting and stopping tensor-parallel ranks: rank 0 is the engine, ranks 1..N-1 are workers.
 
-A worker joins the group, loads its shard of the model, allocates its share of the KV pool (its KV heads,
-every block), and then runs whatever flat step rank 0 broadcasts until rank 0 says stop. It holds no
-scheduler, no KV manager state and no sampler: the same code runs whether the ranks share a machine or not.
+A worker joins the group, then runs the ``serve`` it was given (the engine's, engine/tp_worker.py: load
+its shard, run the steps rank 0 broadcasts until rank 0 says stop): this module starts, watches and stops the
+ranks, and never builds a model. The same code runs whether the ranks share a machine or not.
 
 Two ways to get the ranks:
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from pagedkv.config import EngineConfig
 
 logger = logging.getLogger(__name__)
+Serve = Callable[[TensorParallel, "EngineConfig", str], None]  # a worker's life, from joining to rank 0's stop
 STOP_WAIT_S = 10.0
 
 
@@ -80,13 +82,13 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def start(config: EngineConfig, model_path: str) -> Workers:
-    """Rank 0's side: the group of ``config.tensor_parallel_size`` ranks, workers started or joined.
+def start(config: EngineConfig, model_path: str, serve: Serve) -> Workers:
+    """Rank 0's side: the group of ``config.tensor_parallel_size`` ranks, workers started or joined, each
+    running ``serve`` (a worker's life, which the engine defines: engine/tp_worker.py).
 
     Under torchrun this process may be another rank: then it serves as a worker and exits when rank 0 stops.
     """
     world = config.tensor_parallel_size
-    _check_divides(model_path, world, config.tensor_parallel_exact)
     if launched_by_torchrun():
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if size != world:
@@ -102,7 +104,7 @@ def start(config: EngineConfig, model_path: str) -> Workers:
     processes = [
         context.Process(
             target=_worker_main,
-            args=(rank, world, init_method, worker_config, model_path),
+            args=(rank, world, init_method, worker_config, model_path, serve),
             name=f"pagedkv-tp{rank}",
             daemon=True,
         )
@@ -118,49 +120,13 @@ def rank_threads(config: EngineConfig) -> int:
     return config.num_threads or max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
 
 
-def serve(tp: TensorParallel, config: EngineConfig, model_path: str) -> None:
-    """A worker's life: load the shard, size the pool as rank 0 says, run steps until told to stop."""
-    from pagedkv import kernels
-    from pagedkv.attention.backend import select_backend
-    from pagedkv.engine.runner import ModelRunner
-    from pagedkv.kv.manager import KVCacheManager
-    from pagedkv.kv.ops import KV_DTYPES
-    from pagedkv.model.loader import load_model
-
-    attention = select_backend(config.attention_backend)
-    loaded = load_model(
-        model_path, config.weight_format, attention, kernels.use_kernels(config.kernels), tp, config.max_model_len
-    )
-    num_blocks = int(tp.broadcast(torch.zeros(1, dtype=torch.int64), idle=True))
-    kv = KVCacheManager(num_blocks, config.block_size, False)
-    runner = ModelRunner(loaded.model, kv, tp, kv_dtype=KV_DTYPES[config.kv_cache_dtype])
-    while (inputs := wire.receive_step(tp)) is not None:
-        runner.run(inputs)
-
-
-def _worker_main(rank: int, world: int, init_method: str, config: EngineConfig, model_path: str) -> None:
+def _worker_main(rank: int, world: int, init_method: str, config: EngineConfig, model_path: str, serve: Serve) -> None:
     torch.set_num_threads(config.num_threads)
     tp = join_group(rank, world, init_method, config.tensor_parallel_exact)
     try:
         serve(tp, config, model_path)
     finally:
         leave_group()
-
-
-def _check_divides(model_path: str, world: int, exact: bool) -> None:
-    """Refuse a size that does not split the heads and the MLP, before any process starts."""
-    import transformers
-
-    from pagedkv.model.loader import model_directory
-    from pagedkv.model.spec import ModelSpec
-
-    spec = ModelSpec.from_hf_config(transformers.AutoConfig.from_pretrained(model_directory(model_path)))
-    tp = TensorParallel(0, world)
-    tp.split(spec.num_heads, "query heads")
-    tp.split(spec.num_kv_heads, "KV heads")
-    tp.split(spec.intermediate_size, "MLP width")
-    if exact:
-        tp.split(spec.hidden_size, "hidden size")
 
 
 def _free_port() -> int:
