@@ -12,6 +12,7 @@ from pagedkv import LLM
 from pagedkv.attention import backend
 from pagedkv.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, WEIGHT_FORMATS, EngineConfig
 from pagedkv.entrypoints.cli import add_engine_args, engine_kwargs
+from pagedkv.kv import disk_files
 from pagedkv.kv.ops import KV_DTYPES
 from pagedkv.model.layers import WEIGHT_DTYPES
 
@@ -33,6 +34,7 @@ def test_the_allowed_names_are_the_ones_the_implementations_take(monkeypatch):
     those names, and the attention backend's own choice (by environment variable) refuses any other."""
     assert sorted(WEIGHT_DTYPES) == sorted(WEIGHT_FORMATS)
     assert sorted(KV_DTYPES) == sorted(KV_CACHE_DTYPES)
+    assert set(disk_files._SAFETENSORS_NAMES) == set(KV_DTYPES.values())  # the disk tier names each pool dtype
     assert sorted([backend.KernelAttention.name, backend.TorchAttention.name]) == sorted(ATTENTION_BACKENDS)
     monkeypatch.setenv(backend.ENV_VAR, "flash")
     with pytest.raises(ValueError, match="is not one of"):

@@ -43,7 +43,6 @@ ROOM_NAME = {place: name for name, places in ROOMS for place in places}
 # (importing module, imported module): why the upward arrow is still there. Remove an entry with its arrow.
 PENDING_UPWARD: dict[tuple[str, str], str] = {
     ("pagedkv.kernels", "pagedkv.kv.ops"): "the KV dtype table the kernels check against lives in kv/ops.py",
-    ("pagedkv.kv.disk_files", "pagedkv.model.checkpoint"): "the safetensors dtype table lives with the loader",
 }
 
 

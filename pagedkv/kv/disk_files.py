@@ -25,12 +25,12 @@ from safetensors.torch import save
 from torch import Tensor
 
 from pagedkv.kv.hashing import BlockKey
-from pagedkv.model.checkpoint import SAFETENSORS_DTYPES
 
 FORMAT = "pagedkv-kv-block-v1"  # the file format; bump it to orphan every file written before
 MAX_HEADER = 64 << 10
 MAX_HEADER_DEPTH = 3  # a block file's header: {"__metadata__": {...}, "kv": {"shape": [...], ...}}
-_SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+# the pool's dtypes (ops.KV_DTYPES) as a block file names them
+_SAFETENSORS_NAMES = {torch.float32: "F32", torch.float16: "F16"}
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _JSON_BRACKET = re.compile(rb"[\[\]{}]")
 
