@@ -1,12 +1,11 @@
 """The package's rooms and the arrows between them: a module imports only from its own room or a lower one.
 
 The rooms, bottom to top, follow the layers of docs/architecture.md: the small pure-Python pieces everything
-uses; the engine's configuration; sampling parameters and the sampler; the compiled kernels; the KV cache; the
+uses; the engine's configuration; sampling parameters and the sampler; the KV cache; the compiled kernels; the
 attention backends; tensor-parallel comms; the model; the engine; then the entry points: the offline LLM, the HTTP
 server, the Ray replicas (whose ingress is a server), the CLI over them all. An arrow that runs up ties a
 lower room to everything above it (reading the config loaded torch and the kernels), so the scan below fails on
-any new one. The arrows that run up today are listed in ``PENDING_UPWARD`` with the reason each is still there;
-the list only shrinks. ``pagedkv/__init__.py`` is the package's lazy public face and may name any room.
+any new one. ``pagedkv/__init__.py`` is the package's lazy public face and may name any room.
 """
 
 from __future__ import annotations
@@ -26,8 +25,8 @@ ROOMS: list[tuple[str, set[str]]] = [
     ("foundation", {"errors", "extension", "json_text", "lark_base_case", "grammar_probe", "reasoning_grammar"}),
     ("config", {"config"}),
     ("sampling", {"structured", "sampling", "sampler"}),
-    ("kernels", {"kernels"}),
     ("kv", {"kv", "kv_map"}),
+    ("kernels", {"kernels"}),  # the compiled ops check pools against kv's layout and dtypes
     ("attention", {"attention"}),
     ("parallel", {"parallel"}),
     ("model", {"model"}),
@@ -39,11 +38,6 @@ ROOMS: list[tuple[str, set[str]]] = [
 ]
 RANK = {place: rank for rank, (_, places) in enumerate(ROOMS) for place in places}
 ROOM_NAME = {place: name for name, places in ROOMS for place in places}
-
-# (importing module, imported module): why the upward arrow is still there. Remove an entry with its arrow.
-PENDING_UPWARD: dict[tuple[str, str], str] = {
-    ("pagedkv.kernels", "pagedkv.kv.ops"): "the KV dtype table the kernels check against lives in kv/ops.py",
-}
 
 
 def _module_name(path: Path) -> str:
@@ -101,19 +95,16 @@ def test_every_module_has_a_room():
 
 def test_no_arrow_runs_up_a_room():
     upward = {(source, target) for source, target in _arrows() if RANK[_place(target)] > RANK[_place(source)]}
-    new = sorted(upward - PENDING_UPWARD.keys())
-    assert not new, f"imports from a higher room (move the shared piece down instead): {new}"
-    gone = sorted(PENDING_UPWARD.keys() - upward)
-    assert not gone, f"these arrows are gone: remove them from PENDING_UPWARD: {gone}"
+    assert not upward, f"imports from a higher room (move the shared piece down instead): {sorted(upward)}"
 
 
 def test_no_cycle_between_rooms():
-    """Apart from the pending arrows, the rooms' arrows form no cycle, whatever order ROOMS lists them in.
+    """The rooms' arrows form no cycle, whatever order ROOMS lists them in.
 
     A second check beside the rank test: moving a room in ROOMS to make a new arrow legal still fails here if
     the arrow closes a loop.
     """
-    edges = {(ROOM_NAME[_place(s)], ROOM_NAME[_place(t)]) for s, t in _arrows() if (s, t) not in PENDING_UPWARD}
+    edges = {(ROOM_NAME[_place(s)], ROOM_NAME[_place(t)]) for s, t in _arrows()}
     remaining = {name for name, _ in ROOMS}
     while remaining:  # peel off rooms that nothing left imports; a cycle never peels
         free = {r for r in remaining if not any(a in remaining and b == r and a != r for a, b in edges)}
