@@ -2,8 +2,8 @@
 
 For each pool shape, dtype and context length the same shuffled block table is read by
 
-- ``loop``        tutorial v1: Python loop over blocks + ``torch.cat`` (``ops.gather_kv_loop``)
-- ``indexed``     tutorial v2: ``pool[blocks, offsets]`` (``ops.gather_kv_indexed``)
+- ``loop``        tutorial v1: Python loop over blocks + ``torch.cat`` (``reference.gather_kv_loop``)
+- ``indexed``     tutorial v2: ``pool[blocks, offsets]`` (``reference.gather_kv_indexed``)
 - ``gather_kv``   ours, from the Python block table, index conversion and checks included, as one call
 - ``slots+sel``   flat per-token route: ``ops.slot_mapping`` then ``ops.gather_slots`` (slot math included)
 - ``slots_out``   what the engine does per layer: ``ops.gather_slots`` with precomputed slots into ``out=``
@@ -33,7 +33,7 @@ from common import (
     setup_threads,
 )
 
-from pagedkv.kv import ops
+from pagedkv.kv import ops, reference
 
 BLOCK_SIZE = 16
 SEQ_LENS = (16, 64, 256, 1024, 4096, 8192)
@@ -68,8 +68,8 @@ def candidates(pool: torch.Tensor, table: list[int], seq_len: int) -> dict[str, 
     out = torch.empty(seq_len, pool.shape[2], pool.shape[3], dtype=pool.dtype)
     same_bytes = torch.randn(seq_len, pool.shape[2], pool.shape[3]).to(pool.dtype)
     return {
-        "loop": lambda: ops.gather_kv_loop(pool, table, seq_len, BLOCK_SIZE),
-        "indexed": lambda: ops.gather_kv_indexed(pool, table, seq_len, BLOCK_SIZE),
+        "loop": lambda: reference.gather_kv_loop(pool, table, seq_len, BLOCK_SIZE),
+        "indexed": lambda: reference.gather_kv_indexed(pool, table, seq_len, BLOCK_SIZE),
         "gather_kv": lambda: ops.gather_kv(pool, table, seq_len, BLOCK_SIZE),
         "slots+sel": lambda: ops.gather_slots(pool, ops.slot_mapping(table, 0, seq_len, BLOCK_SIZE)),
         "slots_out": lambda: ops.gather_slots(pool, slots, out=out),

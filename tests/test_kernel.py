@@ -19,7 +19,7 @@ from pagedkv.attention.backend import ENV_VAR, select_backend
 from pagedkv.attention.paged import KernelAttention, TorchAttention
 from pagedkv.config import EngineConfig
 from pagedkv.extension import cache_root
-from pagedkv.kv import ops
+from pagedkv.kv import ops, reference
 
 HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
 needs_kernel = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler here: the kernel cannot be built")
@@ -95,8 +95,8 @@ def naive(step: Step) -> torch.Tensor:
     out = torch.empty(step.q.shape, dtype=torch.float64)
     row = 0
     for table, query_len, seq_len in zip(step.tables, step.query_lens, step.seq_lens, strict=True):
-        k = ops.gather_kv_loop(step.k_pool, table, seq_len, step.block_size).double().repeat_interleave(group, 1)
-        v = ops.gather_kv_loop(step.v_pool, table, seq_len, step.block_size).double().repeat_interleave(group, 1)
+        k = reference.gather_kv_loop(step.k_pool, table, seq_len, step.block_size).double().repeat_interleave(group, 1)
+        v = reference.gather_kv_loop(step.v_pool, table, seq_len, step.block_size).double().repeat_interleave(group, 1)
         for position in range(seq_len - query_len, seq_len):
             scores = torch.einsum("hd,khd->hk", step.q[row].double(), k[: position + 1]) * step.scale
             weights = torch.exp(scores - scores.amax(1, keepdim=True))

@@ -10,7 +10,7 @@ import torch
 
 from pagedkv import kernels
 from pagedkv.attention.paged import KernelAttention, TorchAttention
-from pagedkv.kv import ops
+from pagedkv.kv import ops, reference
 from tests.test_kernel import MIXED_STEP, PARTITION, Step, built, kernel  # noqa: F401 (built: a fixture)
 
 WINDOWS = [1, 5, 16, 100, PARTITION - 1, PARTITION, PARTITION + 1, 700, 5000]
@@ -29,8 +29,8 @@ def naive(step: Step, window: int) -> torch.Tensor:
     out = torch.empty(step.q.shape, dtype=torch.float64)
     row = 0
     for table, query_len, seq_len in zip(step.tables, step.query_lens, step.seq_lens, strict=True):
-        k = ops.gather_kv_loop(step.k_pool, table, seq_len, step.block_size).double().repeat_interleave(group, 1)
-        v = ops.gather_kv_loop(step.v_pool, table, seq_len, step.block_size).double().repeat_interleave(group, 1)
+        k = reference.gather_kv_loop(step.k_pool, table, seq_len, step.block_size).double().repeat_interleave(group, 1)
+        v = reference.gather_kv_loop(step.v_pool, table, seq_len, step.block_size).double().repeat_interleave(group, 1)
         for position in range(seq_len - query_len, seq_len):
             keys = slice(max(0, position - window + 1), position + 1)
             scores = torch.einsum("hd,khd->hk", step.q[row].double(), k[keys]) * step.scale

@@ -47,18 +47,12 @@ def all_readers(pool: torch.Tensor, table, seq_len: int) -> dict[str, torch.Tens
     listed = [int(b) for b in table]
     return {
         "gather_kv": ops.gather_kv(pool, table, seq_len, block_size),
-        "loop": ops.gather_kv_loop(pool, listed, seq_len, block_size),
-        "indexed": ops.gather_kv_indexed(pool, listed, seq_len, block_size),
+        "loop": reference.gather_kv_loop(pool, listed, seq_len, block_size),
+        "indexed": reference.gather_kv_indexed(pool, listed, seq_len, block_size),
         "slots": ops.gather_slots(pool, ops.slot_mapping(table, 0, seq_len, block_size)),
         "batched": reference.batched_gather_kv(pool, [listed], [seq_len], block_size),
         "reference": ref_gather(pool, listed, seq_len),
     }
-
-
-def test_tutorial_versions_stay_reachable_from_ops():
-    assert ops.gather_kv_loop is reference.gather_kv_loop and ops.gather_kv_indexed is reference.gather_kv_indexed
-    with pytest.raises(AttributeError, match="no attribute 'batched_gather_kv'"):
-        ops.batched_gather_kv  # noqa: B018 -- a test-only helper, not part of ops
 
 
 def assert_all_equal(results: dict[str, torch.Tensor]) -> None:
@@ -210,8 +204,8 @@ ERRORS = {
     "negative block id": (lambda: ops.gather_kv(POOL, [-1], 1, 4), r"block ids must lie in \[0, 12\)"),
     "batched block id": (lambda: reference.batched_gather_kv(POOL, [[1], [99]], [1, 1], 4), "block ids must lie"),
     "seq_len beyond table": (lambda: ops.gather_kv(POOL, [1, 2], 9, 4), "needs 3 blocks but the block table"),
-    "loop seq_len": (lambda: ops.gather_kv_loop(POOL, [1], 5, 4), "allocate more blocks"),
-    "indexed seq_len": (lambda: ops.gather_kv_indexed(POOL, [1], 5, 4), "allocate more blocks"),
+    "loop seq_len": (lambda: reference.gather_kv_loop(POOL, [1], 5, 4), "allocate more blocks"),
+    "indexed seq_len": (lambda: reference.gather_kv_indexed(POOL, [1], 5, 4), "allocate more blocks"),
     "slot_mapping end": (lambda: ops.slot_mapping([1], 0, 5, 4), "needs 2 blocks"),
     "batched seq_len": (lambda: ops.batched_slot_mapping([[1]], [0], [5], 4), "needs 2 blocks"),
     "negative seq_len": (lambda: ops.gather_kv(POOL, [1], -1, 4), "seq_len must be >= 0"),

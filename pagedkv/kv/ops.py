@@ -59,7 +59,7 @@ def _index_array(indices: Sequence[int] | Tensor) -> np.ndarray:
     return array.astype(np.int64, copy=False)
 
 
-def _check_blocks(blocks: Sequence[int] | Tensor, num_blocks: int) -> None:
+def check_blocks(blocks: Sequence[int] | Tensor, num_blocks: int) -> None:
     """Raise if a block id is outside the pool; called on error paths only, to name the bad range."""
     array = _index_array(blocks)
     low, high = (int(array.min()), int(array.max())) if array.size else (0, 0)
@@ -70,14 +70,14 @@ def _check_blocks(blocks: Sequence[int] | Tensor, num_blocks: int) -> None:
         )
 
 
-def _check_pool(pool: Tensor, block_size: int) -> None:
+def check_pool(pool: Tensor, block_size: int) -> None:
     if pool.dim() != 4 or pool.shape[1] != block_size:
         raise ValueError(
             f"pool must be [num_blocks, block_size={block_size}, num_kv_heads, head_dim], got shape {tuple(pool.shape)}"
         )
 
 
-def _check_seq_len(seq_len: int, num_table_blocks: int, block_size: int) -> None:
+def check_seq_len(seq_len: int, num_table_blocks: int, block_size: int) -> None:
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     if seq_len < 0:
@@ -97,7 +97,7 @@ def slot_mapping(block_table: Sequence[int] | Tensor, start: int, end: int, bloc
     """
     if start < 0 or end < start:
         raise ValueError(f"need 0 <= start <= end, got start={start}, end={end}")
-    _check_seq_len(end, len(block_table), block_size)
+    check_seq_len(end, len(block_table), block_size)
     first = start // block_size
     blocks = _index_array(block_table[first : -(-end // block_size)])
     slots = (blocks[:, None] * block_size + np.arange(block_size)).reshape(-1)
@@ -117,7 +117,7 @@ def batched_slot_mapping(
     for table, start, end in zip(block_tables, starts, ends, strict=True):
         if start < 0 or end < start:
             raise ValueError(f"need 0 <= start <= end, got start={start}, end={end}")
-        _check_seq_len(end, len(table), block_size)
+        check_seq_len(end, len(table), block_size)
     first = np.asarray(starts, dtype=np.int64)
     counts = np.asarray(ends, dtype=np.int64) - first
     rows = np.repeat(np.arange(len(block_tables)), counts)
@@ -186,8 +186,8 @@ def gather_kv(
     unused tail of the last block. Block ids are range-checked by ``index_select`` itself (it rejects
     negative and too-large ids), so the success path pays for no reduction over the table.
     """
-    _check_pool(pool, block_size)
-    _check_seq_len(seq_len, len(block_table), block_size)
+    check_pool(pool, block_size)
+    check_seq_len(seq_len, len(block_table), block_size)
     blocks = block_table[: -(-seq_len // block_size)]
     if not (isinstance(blocks, Tensor) and blocks.dtype == torch.int64 and blocks.dim() == 1):
         blocks = torch.from_numpy(_index_array(blocks))  # a 1-D int64 tensor is used as it is
@@ -205,7 +205,7 @@ def gather_kv(
             out[full * block_size :].copy_(tail[: seq_len - full * block_size])
         return out
     except IndexError:
-        _check_blocks(blocks, pool.shape[0])
+        check_blocks(blocks, pool.shape[0])
         raise
 
 
@@ -236,13 +236,3 @@ def gather_slots(pool: Tensor, slots: Tensor, out: Tensor | None = None) -> Tens
             f"slot ids must lie in [0, {flat.shape[0]}) for this pool: build them from block tables "
             "allocated from this pool (padding slots -1 are for writes only)"
         ) from error
-
-
-def __getattr__(name: str):
-    """The tutorial's two versions live in :mod:`pagedkv.kv.reference`; they stay reachable by the names
-    the tutorial uses, ``ops.gather_kv_loop`` and ``ops.gather_kv_indexed``."""
-    if name in ("gather_kv_loop", "gather_kv_indexed"):
-        from pagedkv.kv import reference
-
-        return getattr(reference, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
