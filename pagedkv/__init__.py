@@ -12,13 +12,13 @@ if TYPE_CHECKING:
     from pagedkv.config import EngineConfig
     from pagedkv.engine.request import RequestOutput
     from pagedkv.entrypoints.llm import LLM
-    from pagedkv.sampling import SamplingParams
+    from pagedkv.sampling_params import SamplingParams
 
 
 # Imported lazily so that `import pagedkv.kv.ops` does not pull in transformers: name -> its module.
 _LAZY = {
     "LLM": "pagedkv.entrypoints.llm",
-    "SamplingParams": "pagedkv.sampling",
+    "SamplingParams": "pagedkv.sampling_params",
     "RequestOutput": "pagedkv.engine.request",
     "EngineConfig": "pagedkv.config",
 }

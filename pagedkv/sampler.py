@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.sampling import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 _FLOAT32_MAX = torch.finfo(torch.float32).max

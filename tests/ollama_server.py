@@ -9,7 +9,7 @@ from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.entrypoints.server.limits import ServerLimits
 from pagedkv.entrypoints.server.openai_server import build_app
-from pagedkv.sampling import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 
 MODEL, KEY, MAX_QUEUED, MAX_BODY, MAX_TOKENS, CONTEXT = "smol", "ollama-key", 2, 64 * 1024, 8, 512
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pagedkv.engine.admission import CONTEXT_STEP, CONTEXT_TOKENS_PER_ROW, SCORED_ROW_COST, FairShare
 from pagedkv.engine.request import Request
-from pagedkv.sampling import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 
 
 def request(prompt_len: int, **params) -> Request:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pagedkv.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from pagedkv.sampling import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 
 TEXTS = [
     "Héllo wörld, ça va? naïve café — «quotes»",
@@ -355,7 +355,7 @@ def test_adversarial_stop_strings_cost_per_character_not_per_prefix():
         .venv/bin/python -c "
         import timeit
         from pagedkv.engine.detokenizer import IncrementalDetokenizer
-        from pagedkv.sampling import SamplingParams
+        from pagedkv.sampling_params import SamplingParams
         from tests.test_detokenizer import ChunkTokenizer
         def per_token(stop):
             d = IncrementalDetokenizer(ChunkTokenizer(['xabcdefgh', 'abc']), [], SamplingParams(stop=stop))

@@ -16,7 +16,7 @@ from pagedkv.engine.request import Request
 from pagedkv.engine.scheduler import SCORED_ROW_COST, Scheduler
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.sampler import SamplerOutput
-from pagedkv.sampling import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 
 EOS = 3
 TOKEN = 7  # every made-up sampled token: never EOS, so requests run to max_tokens

@@ -24,7 +24,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "pagedkv"
 ROOMS: list[tuple[str, set[str]]] = [
     ("foundation", {"errors", "extension", "json_text", "lark_base_case", "grammar_probe", "reasoning_grammar"}),
     ("config", {"config"}),
-    ("sampling", {"structured", "sampling", "sampler"}),
+    ("sampling", {"structured", "sampling_params", "sampler"}),
     ("kv", {"kv", "kv_map"}),
     ("kernels", {"kernels"}),  # the compiled ops check pools against kv's layout and dtypes
     ("attention", {"attention"}),

@@ -14,7 +14,7 @@ from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.model.llama import LlamaForCausalLM
-from pagedkv.sampling import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 
 CONFIG = LlamaConfig(
     vocab_size=64,

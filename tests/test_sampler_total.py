@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv.sampler import Sampler, apply_top_p, make_generator
-from pagedkv.sampling import (
+from pagedkv.sampling_params import (
     MAX_LOGPROBS,
     MIN_P_MIN,
     REPETITION_PENALTY_MAX,

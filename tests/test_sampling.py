@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedkv.sampler import Sampler, apply_penalties, apply_top_k, apply_top_p, make_generator
-from pagedkv.sampling import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 
 VOCAB = 512
 

@@ -15,7 +15,7 @@ from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.entrypoints.server.limits import ServerLimits
 from pagedkv.entrypoints.server.openai_server import build_app
-from pagedkv.sampling import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 from tests.live_server import live_server, wait_idle
 
 pytestmark = pytest.mark.slow

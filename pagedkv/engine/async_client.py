@@ -35,7 +35,7 @@ from pagedkv.engine.prompts import EnginePrompt
 from pagedkv.engine.request import OutputKind, RequestOutput
 from pagedkv.engine.request_stream import RequestStream
 from pagedkv.engine.tokenizer_worker import TokenizerWorker
-from pagedkv.sampling import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagedkv.config import EngineConfig

@@ -31,7 +31,7 @@ from typing import Any
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from pagedkv.sampling import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 
 # Prompt tokens the first window starts with: enough for the decode of the first output token to see
 # its left neighbours (leading-space and byte-merging rules), few enough to cost nothing.

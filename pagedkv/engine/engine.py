@@ -42,7 +42,7 @@ from pagedkv.model.loader import default_model_path, load_model, model_directory
 from pagedkv.parallel import workers
 from pagedkv.parallel.group import SINGLE
 from pagedkv.sampler import Sampler, make_generator
-from pagedkv.sampling import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 from pagedkv.structured import GrammarCompiler
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from pagedkv.kv.hashing import BlockKey, extend_block_keys
-from pagedkv.sampling import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 
 
 class OutputKind(enum.Enum):

@@ -29,7 +29,7 @@ from pagedkv.engine.grammar_pool import GrammarPool, GrammarsBusy
 from pagedkv.engine.output_processor import OutputProcessor, Stop
 from pagedkv.engine.prompts import EnginePrompt
 from pagedkv.engine.request import CoreOutput, OutputKind, Request, RequestOutput
-from pagedkv.sampling import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagedkv.engine.engine import LLMEngine

@@ -11,7 +11,7 @@ import time
 
 from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
-from pagedkv.sampling import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 
 
 def interactive_chat(engine_options: dict, params: SamplingParams, system: str | None) -> int:

@@ -16,7 +16,7 @@ from pagedkv.entrypoints.replicas.replica_options import add_replica_arguments, 
 from pagedkv.entrypoints.server.connections import ConnectionLimits
 from pagedkv.entrypoints.server.limits import ServerLimits
 from pagedkv.entrypoints.server.reasoning import REASONING_PARSERS
-from pagedkv.sampling import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 
 BENCHMARKS = ("gather", "attention", "panel_linear", "throughput", "serving")
 

@@ -13,7 +13,7 @@ from pagedkv.engine.engine import LLMEngine
 from pagedkv.engine.request import OutputKind, RequestOutput
 from pagedkv.kv.events import KVEventBatch
 from pagedkv.kv.snapshot import read_engine, snapshot_json
-from pagedkv.sampling import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 
 Messages = Sequence[dict[str, str]]
 

@@ -16,7 +16,7 @@ from pagedkv.engine.request import CoreOutput, Request
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.sampler import SamplerOutput
-from pagedkv.sampling import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 
 EOS = 2
 BLOCK_SIZE = 4

@@ -10,7 +10,7 @@ import pytest
 
 from pagedkv.engine.output_processor import OutputProcessor, Stop
 from pagedkv.engine.request import INTERNAL_ERROR, CoreOutput, OutputKind, PromptLogprob, Request, RequestOutput
-from pagedkv.sampling import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 from tests.engine.byte_tokenizer import ByteTokenizer
 
 TEXT = "Héllo wörld, the naïve café said: stop here, then more."

@@ -23,7 +23,7 @@ from pagedkv.engine.prompts import EnginePrompt
 from pagedkv.entrypoints.server.ollama_tools import chat_message
 from pagedkv.entrypoints.server.protocol import MAX_ECHOED_CHARS, APIError, ChatMessage, echoed, sampling_params
 from pagedkv.entrypoints.server.tool_calls import ToolPlan, chat_prompt, plan_tools
-from pagedkv.sampling import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 from pagedkv.structured import StructuredOutputsParams
 
 OLLAMA_PREFIX = "/api/"

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
 
 from pagedkv.entrypoints.server.request_fields import unhonoured_field
-from pagedkv.sampling import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 from pagedkv.structured import StructuredOutputsParams
 
 UNSUPPORTED_FIELDS = (

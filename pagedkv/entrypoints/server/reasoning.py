@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from pagedkv.reasoning_grammar import REASONING_PARSERS, THINK_END, THINK_START
-from pagedkv.sampling import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

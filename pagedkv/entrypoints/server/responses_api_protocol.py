@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, 
 
 from pagedkv.entrypoints.server.protocol import APIError, echoed, sampling_params
 from pagedkv.entrypoints.server.tool_calls import NAME
-from pagedkv.sampling import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 from pagedkv.structured import StructuredOutputsParams
 
 # Fields OpenAI defines that this server accepts only at the value that changes nothing.

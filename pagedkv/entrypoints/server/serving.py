@@ -35,7 +35,7 @@ from pagedkv.entrypoints.server.openai_objects import (
 )
 from pagedkv.entrypoints.server.protocol import APIError, echoed, value_error
 from pagedkv.kv import cache_report
-from pagedkv.sampling import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from pagedkv.engine.prompts import EnginePrompt
 from pagedkv.entrypoints.server.protocol import APIError, prompt_shape
 from pagedkv.entrypoints.server.serving import ServingContext, collect
 from pagedkv.entrypoints.server.serving_completions import completion_prompts
-from pagedkv.sampling import POOLING_METHODS, SamplingParams
+from pagedkv.sampling_params import POOLING_METHODS, SamplingParams
 
 
 class EmbeddingRequest(BaseModel):
