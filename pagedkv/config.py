@@ -1,9 +1,8 @@
 """EngineConfig: every knob of the engine in one validated dataclass.
 
 Each field's ``metadata["help"]`` says what it does, for the CLI options generated from the fields; where
-only some values are allowed, ``metadata["choices"]`` is the list of them, defined here rather than in the
-implementations so that reading the config loads neither torch nor the kernels; each implementation keys its
-table by these names (tests/test_config.py checks that they match).
+only some values are allowed, ``metadata["choices"]`` lists them, here so that reading the config loads
+neither torch nor the implementations, which key their tables by these names (tests/test_config.py checks).
 ``dtype`` and ``linear_backend`` are the old names of ``weight_format`` and ``kernels``, kept for one
 release: they warn and are mapped to the new fields, then read None.
 """
@@ -14,8 +13,7 @@ import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-# the linear layers' weight formats (model/layers.py keeps each one's dtype), the KV pool's element types
-# (kv/ops.py keeps each one's torch dtype) and the attention backends (attention/backend.py picks one)
+# keyed by model/layers.py (each format's dtype), kv/ops.py (each pool dtype) and attention/backend.py
 WEIGHT_FORMATS = ("float32", "bfloat16", "gguf", "gguf-int8")
 KV_CACHE_DTYPES = ("float32", "float16")
 ATTENTION_BACKENDS = ("kernel", "gather")

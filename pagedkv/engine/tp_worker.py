@@ -1,10 +1,6 @@
-"""A tensor-parallel worker's life (ranks 1..N-1), beside the runner it builds: parallel/workers.py starts
-the processes and joins the group, then hands each rank this ``serve``; the comms room never builds a model.
-
-A worker loads its shard of the model, allocates its share of the KV pool (its KV heads, every block), and
-runs whatever flat step rank 0 broadcasts until rank 0 says stop. It holds no scheduler, no KV manager state
-and no sampler.
-"""
+"""A tensor-parallel worker's life (ranks 1..N-1), beside the runner it builds: parallel/workers.py starts the
+rank and hands it this ``serve``, so the comms room never builds a model. A worker holds no scheduler, no KV
+manager state and no sampler: it runs the flat steps rank 0 broadcasts."""
 
 from __future__ import annotations
 
