@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen3Config
+from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
 
 from pagedkv import kernels
 from pagedkv.attention.paged import KernelAttention, TorchAttention
@@ -40,6 +40,22 @@ KINDS = {
     "mixed": ("mixed", LlamaConfig(**CONFIG)),
     "mixed-biases": ("mixed", LlamaConfig(**CONFIG, attention_bias=True, mlp_bias=True)),  # q/k/v/o, gate|up, down
     "qwen3-mixed": ("mixed", Qwen3Config(**CONFIG, head_dim=HEAD_DIM)),  # the q/k norm
+    # four norms a layer, GeLU-tanh, q/k norm, a 5-token window on the first and last layers with their own
+    # RoPE base (the steps' contexts reach 16), a softmax scale not head_dim ** -0.5
+    "gemma3-mixed": (
+        "mixed",
+        Gemma3TextConfig(
+            **CONFIG,
+            head_dim=HEAD_DIM,
+            query_pre_attn_scalar=40,
+            sliding_window=5,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
+            },
+        ),
+    ),
 }
 # Two steps of three requests (block tables, new tokens, context after the step): whole prompts first, then
 # a decode, a decode with two drafts, and a new prompt's first chunk -- in that order, not decodes first.
@@ -141,6 +157,10 @@ def test_the_models_are_what_their_kinds_say() -> None:
     assert [p.format for p in layer.mlp.gate_up_proj.panels] == ["q4", "q8"]
     assert all(m.bias is not None for m in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
     assert model("qwen3-mixed").layers[0].self_attn.qk_norm_weight is not None
+    gemma = model("gemma3-mixed")
+    assert [layer.self_attn.window for layer in gemma.layers] == [5, 0, 5]
+    assert [layer.rope for layer in gemma.layers] == [1, 0, 1]
+    assert all(layer.sandwich and layer.mlp.activation == "gelu_tanh" for layer in gemma.layers)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -176,15 +196,23 @@ def test_configurations_it_does_not_cover_run_the_modules() -> None:
     assert m._stack is False and all(torch.isfinite(h).all() for h in hidden)
 
 
+# add_layer's Gemma arguments for a Llama layer: no MLP norms, no window, the first RoPE table, SiLU
+PLAIN = ([], 0, 0, False)
+
+
 def test_the_stack_refuses_layers_and_pools_that_do_not_fit() -> None:
     stack = stack_for(model("fp32"))._stack
     norm, part = torch.ones(256), panel.pack_fp32(torch.zeros(32, 256))
     with pytest.raises(ValueError, match="part counts and biases of 4 linears"):
-        stack.add_layer(norm, norm, None, [part.packed] * 3, [32, 256, 0] * 3, [1, 1, 1], [None] * 3)
+        stack.add_layer(norm, norm, None, [part.packed] * 3, [32, 256, 0] * 3, [1, 1, 1], [None] * 3, *PLAIN)
     with pytest.raises(ValueError, match="one part or more"):
-        stack.add_layer(norm, norm, None, [part.packed] * 4, [32, 256, 0] * 4, [1, 1, 1, 2], [None] * 4)
+        stack.add_layer(norm, norm, None, [part.packed] * 4, [32, 256, 0] * 4, [1, 1, 1, 2], [None] * 4, *PLAIN)
     with pytest.raises(ValueError, match="more parts than the part counts say"):
-        stack.add_layer(norm, norm, None, [part.packed] * 5, [32, 256, 0] * 5, [1, 1, 1, 1], [None] * 4)
+        stack.add_layer(norm, norm, None, [part.packed] * 5, [32, 256, 0] * 5, [1, 1, 1, 1], [None] * 4, *PLAIN)
+    with pytest.raises(ValueError, match="both of Gemma's MLP norms"):
+        stack.add_layer(
+            norm, norm, None, [part.packed] * 4, [32, 256, 0] * 4, [1, 1, 1, 1], [None] * 4, [norm], 0, 0, True
+        )
     pools = [(torch.zeros(16, BLOCK, 2, HEAD_DIM), torch.zeros(16, BLOCK, 2, HEAD_DIM))]
     with pytest.raises(ValueError, match="one k and one v pool per layer"):
         stack.bind_pools([k for k, _ in pools], [v for _, v in pools])

@@ -12,15 +12,19 @@
 // several stacked by output rows (a GGUF file's fused q|k|v or gate|up whose parts it stores in different
 // types, as every Q4_K_M file does), with or without a bias (Qwen2's q/k/v, Llama's attention_bias and
 // mlp_bias), and Qwen3's q/k norm -- all run through the very ops the modules call, so they cost nothing
-// in exactness. What it leaves to the modules (pagedkv/model/decoder_stack.py decides): torch's GEMM
-// (weights not packed), torch's attention and norms, tensor parallelism (the row-parallel all-reduce is
-// Python's).
+// in exactness. Gemma 3's layers too: the attention output and the MLP's output normalised before their adds
+// (four norms a layer), GeLU-tanh in the MLP (torch's gelu and mul, as GatedMLP runs them), each layer's own
+// attention window and RoPE table. Gemma is where the Python costs most: its 270M model spends a third of its
+// weights' time per decode step in ~200 small ops. What it leaves to the modules
+// (pagedkv/model/decoder_stack.py decides): torch's GEMM (weights not packed), torch's attention and norms,
+// tensor parallelism (the row-parallel all-reduce is Python's), partial rotary.
 //
 // The ops live in two libraries (the GEMM's needs AVX2), so they are found by name through the dispatcher
 // when the first step runs, not linked: this file builds wherever the portable library does.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/gelu.h>
 #include <ATen/ops/rms_norm.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -97,8 +101,14 @@ struct Linear {
 };
 
 struct Layer {
+  // input_norm: the attention's input. post_norm: the MLP's input (Llama), or the attention's output (Gemma).
   Tensor input_norm, post_norm;
-  std::optional<Tensor> qk_norm;  // Qwen3's q_norm and k_norm weights, one row per head: [Hq + Hkv, D]
+  std::optional<Tensor> qk_norm;  // Qwen3's and Gemma's q_norm and k_norm weights, one row per head: [Hq + Hkv, D]
+  // Gemma's sandwich: the MLP's input norm (with the residual add) and its output's norm; both or neither
+  std::optional<Tensor> pre_mlp_norm, post_mlp_norm;
+  int64_t window;  // the attention window (0: the whole context)
+  int64_t rope;    // which of forward's cos/sin tables rotates this layer's q and k
+  bool gelu;       // GeLU-tanh (Gemma) instead of SiLU as the gate's activation
   Linear qkv, o, gate_up, down;
 };
 
@@ -114,10 +124,15 @@ class DecoderStack : public torch::CustomClassHolder {
 
   // The next layer. Its linears are qkv, o, gate_up, down, in that order: `parts` holds how many parts each
   // has, `packed` every part in turn (each linear's in row order) and `dims` (n, k, format) for each part;
-  // `biases` one per linear, None where it has none. `qk_norm`: Qwen3's, or None.
+  // `biases` one per linear, None where it has none. `qk_norm`: Qwen3's or Gemma's, or None. `mlp_norms`: Gemma's
+  // pre- and post-feedforward norms, or none. `window`, `rope` and `gelu` as in Layer.
   void add_layer(const Tensor& input_norm, const Tensor& post_norm, const std::optional<Tensor>& qk_norm,
                  const std::vector<Tensor>& packed, const std::vector<int64_t>& dims,
-                 const std::vector<int64_t>& parts, const std::vector<std::optional<Tensor>>& biases) {
+                 const std::vector<int64_t>& parts, const std::vector<std::optional<Tensor>>& biases,
+                 const std::vector<Tensor>& mlp_norms, int64_t window, int64_t rope, bool gelu) {
+    TORCH_CHECK_VALUE(mlp_norms.empty() || mlp_norms.size() == 2,
+                      "DecoderStack: mlp_norms holds both of Gemma's MLP norms (pre, post) or none");
+    TORCH_CHECK_VALUE(window >= 0 && rope >= 0, "DecoderStack: window and rope must be >= 0");
     TORCH_CHECK_VALUE(parts.size() == kLinearsPerLayer && biases.size() == kLinearsPerLayer,
                       "DecoderStack: need the part counts and biases of 4 linears (qkv, o, gate_up, down)");
     TORCH_CHECK_VALUE(dims.size() == 3 * packed.size(), "DecoderStack: need (n, k, format) for each part");
@@ -134,8 +149,13 @@ class DecoderStack : public torch::CustomClassHolder {
       linear.bias = biases[i];
     }
     TORCH_CHECK_VALUE(next == packed.size(), "DecoderStack: packed holds more parts than the part counts say");
-    layers_.push_back({input_norm, post_norm, qk_norm, std::move(linears[0]), std::move(linears[1]),
-                       std::move(linears[2]), std::move(linears[3])});
+    std::optional<Tensor> pre_mlp_norm, post_mlp_norm;
+    if (!mlp_norms.empty()) {
+      pre_mlp_norm = mlp_norms[0];
+      post_mlp_norm = mlp_norms[1];
+    }
+    layers_.push_back({input_norm, post_norm, qk_norm, pre_mlp_norm, post_mlp_norm, window, rope, gelu,
+                       std::move(linears[0]), std::move(linears[1]), std::move(linears[2]), std::move(linears[3])});
   }
 
   // The KV pools the layers write and read, one (k, v) per layer; bound again only when the caller's change.
@@ -147,13 +167,20 @@ class DecoderStack : public torch::CustomClassHolder {
     v_pools_ = v_pools;
   }
 
-  // h [T, hidden] (updated in place and returned): the residual stream after every layer. cos, sin_signed as
-  // RotaryEmbedding.tables gives them; the rest is the step's AttentionMetadata.
-  Tensor forward(Tensor h, const Tensor& cos, const Tensor& sin_signed, const Tensor& slot_mapping,
-                 const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc) {
+  // h [T, hidden] (updated in place and returned): the residual stream after every layer. cos, sin_signed: one
+  // table pair per RoPE the layers use, as RotaryEmbedding.tables gives them; the rest is the step's
+  // AttentionMetadata.
+  Tensor forward(Tensor h, const std::vector<Tensor>& cos, const std::vector<Tensor>& sin_signed,
+                 const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& seq_lens,
+                 const Tensor& query_start_loc) {
     TORCH_CHECK_VALUE(!layers_.empty() && k_pools_.size() == layers_.size(), "DecoderStack: bind_pools first");
     TORCH_CHECK_VALUE(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(),
                       "DecoderStack: h must be a contiguous float32 [T, hidden] tensor");
+    TORCH_CHECK_VALUE(cos.size() == sin_signed.size(), "DecoderStack: one sin table per cos table");
+    for (const Layer& layer : layers_) {
+      TORCH_CHECK_VALUE(layer.rope < static_cast<int64_t>(cos.size()), "DecoderStack: a layer rotates with RoPE table ",
+                        layer.rope, " but forward got ", cos.size());
+    }
     if (!ops_) ops_.emplace();  // here, not in the constructor: the GEMM's library may load after this one
     const Ops& ops = *ops_;
     const int64_t tokens = h.size(0), qk_heads = num_heads_ + num_kv_heads_;
@@ -166,20 +193,36 @@ class DecoderStack : public torch::CustomClassHolder {
       if (layer.qk_norm) {  // F.rms_norm(qk, (head_dim,), eps=eps) * qk_norm_weight: torch's own ops, as there
         qk = at::rms_norm(qk, {head_dim_}, std::nullopt, eps_).mul(*layer.qk_norm);
       }
-      ops.rope_.call(qk, cos, sin_signed);
+      ops.rope_.call(qk, cos[layer.rope], sin_signed[layer.rope]);
       ops.write_kv.call(k_pools_[l], v_pools_[l], slot_mapping, qk.narrow(1, num_heads_, num_kv_heads_),
                         qkv.narrow(1, qk_heads, num_kv_heads_));
       const Tensor attended = ops.paged_attention.call(qk.narrow(1, 0, num_heads_), k_pools_[l], v_pools_[l],
-                                                       block_tables, seq_lens, query_start_loc, scale_, 0);
+                                                       block_tables, seq_lens, query_start_loc, scale_,
+                                                       layer.window);
       const Tensor out = layer.o(ops, attended.view({tokens, -1}));
-      // MLP: h += out, normalised; then h += down(silu(gate) * up)
-      const Tensor x = ops.rms_norm.call(out, layer.post_norm, eps_, h);
-      h.add_(layer.down(ops, ops.silu_mul.call(layer.gate_up(ops, x))));
+      if (!layer.pre_mlp_norm) {  // Llama: h += out, normalised; then h += down(silu(gate) * up)
+        const Tensor x = ops.rms_norm.call(out, layer.post_norm, eps_, h);
+        h.add_(layer.down(ops, activate(ops, layer, layer.gate_up(ops, x))));
+        continue;
+      }
+      // Gemma: h += norm(out), normalised; then h += norm(down(gelu(gate) * up))
+      const Tensor normed_out = ops.rms_norm.call(out, layer.post_norm, eps_, std::nullopt);
+      const Tensor x = ops.rms_norm.call(normed_out, *layer.pre_mlp_norm, eps_, h);
+      const Tensor mlp = layer.down(ops, activate(ops, layer, layer.gate_up(ops, x)));
+      h.add_(ops.rms_norm.call(mlp, *layer.post_mlp_norm, eps_, std::nullopt));
     }
     return h;
   }
 
  private:
+  // act(gate) * up of gate_up [T, 2 I], as GatedMLP.forward computes it: SiLU in one compiled pass, GeLU-tanh
+  // through torch's gelu and mul.
+  static Tensor activate(const Ops& ops, const Layer& layer, const Tensor& gate_up) {
+    if (!layer.gelu) return ops.silu_mul.call(gate_up);
+    const int64_t intermediate = gate_up.size(1) / 2;
+    return at::gelu(gate_up.narrow(1, 0, intermediate), "tanh").mul(gate_up.narrow(1, intermediate, intermediate));
+  }
+
   std::vector<Layer> layers_;
   std::vector<Tensor> k_pools_, v_pools_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
