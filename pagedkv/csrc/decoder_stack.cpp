@@ -169,10 +169,14 @@ class DecoderStack : public torch::CustomClassHolder {
 
   // h [T, hidden] (updated in place and returned): the residual stream after every layer. cos, sin_signed: one
   // table pair per RoPE the layers use, as RotaryEmbedding.tables gives them; the rest is the step's
-  // AttentionMetadata.
+  // AttentionMetadata, and the windowed layers' own slots and block tables where the KV manager keeps those
+  // layers' blocks apart (pagedkv.kv.hybrid; None: every layer reads the first ones).
   Tensor forward(Tensor h, const std::vector<Tensor>& cos, const std::vector<Tensor>& sin_signed,
                  const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& seq_lens,
-                 const Tensor& query_start_loc) {
+                 const Tensor& query_start_loc, const std::optional<Tensor>& window_slot_mapping,
+                 const std::optional<Tensor>& window_block_tables) {
+    TORCH_CHECK_VALUE(window_slot_mapping.has_value() == window_block_tables.has_value(),
+                      "DecoderStack: the windowed layers' slots and block tables come together");
     TORCH_CHECK_VALUE(!layers_.empty() && k_pools_.size() == layers_.size(), "DecoderStack: bind_pools first");
     TORCH_CHECK_VALUE(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(),
                       "DecoderStack: h must be a contiguous float32 [T, hidden] tensor");
@@ -194,10 +198,12 @@ class DecoderStack : public torch::CustomClassHolder {
         qk = at::rms_norm(qk, {head_dim_}, std::nullopt, eps_).mul(*layer.qk_norm);
       }
       ops.rope_.call(qk, cos[layer.rope], sin_signed[layer.rope]);
-      ops.write_kv.call(k_pools_[l], v_pools_[l], slot_mapping, qk.narrow(1, num_heads_, num_kv_heads_),
-                        qkv.narrow(1, qk_heads, num_kv_heads_));
+      const bool own_tables = layer.window > 0 && window_block_tables.has_value();
+      ops.write_kv.call(k_pools_[l], v_pools_[l], own_tables ? *window_slot_mapping : slot_mapping,
+                        qk.narrow(1, num_heads_, num_kv_heads_), qkv.narrow(1, qk_heads, num_kv_heads_));
       const Tensor attended = ops.paged_attention.call(qk.narrow(1, 0, num_heads_), k_pools_[l], v_pools_[l],
-                                                       block_tables, seq_lens, query_start_loc, scale_,
+                                                       own_tables ? *window_block_tables : block_tables,
+                                                       seq_lens, query_start_loc, scale_,
                                                        layer.window);
       const Tensor out = layer.o(ops, attended.view({tokens, -1}));
       if (!layer.pre_mlp_norm) {  // Llama: h += out, normalised; then h += down(silu(gate) * up)

@@ -69,9 +69,11 @@ class DecoderStack:
         tables: Sequence[tuple[Tensor, Tensor]],
         meta: AttentionMetadata,
         kv_caches: Sequence[tuple[Tensor, Tensor]],
+        window_meta: AttentionMetadata | None = None,
     ) -> Tensor:
-        """What ``for layer in model.layers: h = layer(h, *tables[layer.rope], meta, kv_cache)`` computes, to the
-        bit; ``tables``: each RoPE's ``(cos, sin_signed)`` for the step's positions."""
+        """What ``LlamaForCausalLM.hidden_states`` computes through the layer modules, to the bit; ``tables``: each
+        RoPE's ``(cos, sin_signed)`` for the step's positions; ``window_meta``: the windowed layers' own block
+        tables and slots, where the KV manager keeps them apart (None: every layer reads ``meta``'s)."""
         if not _same_pools(kv_caches, self._pools):  # the runner keeps its pools for life: bound once
             self._stack.bind_pools([k for k, _ in kv_caches], [v for _, v in kv_caches])
             self._pools = list(kv_caches)
@@ -83,6 +85,8 @@ class DecoderStack:
             meta.block_tables,
             meta.seq_lens,
             meta.query_start_loc,
+            None if window_meta is None else window_meta.slot_mapping,
+            None if window_meta is None else window_meta.block_tables,
         )
 
 

@@ -243,7 +243,7 @@ class LlamaForCausalLM(nn.Module):
         if self._stack is None:
             self._stack = stack_for(self) or False
         if self._stack and self.fused_layers:
-            h = self._stack(h, tables, meta, kv_caches)
+            h = self._stack(h, tables, meta, kv_caches, window_meta)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 layer_meta = window_meta if window_meta is not None and layer.self_attn.window else meta
