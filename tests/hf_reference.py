@@ -14,6 +14,11 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 TOL = 1e-4
+# The tiny random decoders' shape (a config class adds its family's own fields): small enough for a test,
+# with grouped-query attention (4 query heads over 2 KV heads) and two layers, so layer-to-layer state is seen.
+TINY_SHAPE = dict(
+    hidden_size=128, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
 
 
 def random_prompt(seed: int, length: int, vocab: int) -> list[int]:

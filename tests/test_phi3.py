@@ -24,7 +24,7 @@ from pagedkv import LLM, SamplingParams, kernels
 from pagedkv.attention.paged import KernelAttention
 from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.spec import ModelSpec, UnsupportedModelError
-from tests.hf_reference import TOL, check_against_hf, hf_logits, random_prompt, save_with_word_tokenizer
+from tests.hf_reference import TINY_SHAPE, TOL, check_against_hf, hf_logits, random_prompt, save_with_word_tokenizer
 
 VOCAB = 256
 ORIGINAL = 48  # original_max_position_embeddings of the long-context models
@@ -36,11 +36,7 @@ def _config(variant: str) -> Phi3Config:
     ``phi4-mini``: longrope on 3/4 of each head, tied embeddings (the real models' shapes, tiny)."""
     settings = dict(
         vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_SHAPE,
         max_position_embeddings=4 * ORIGINAL,
         rope_theta=500.0,
         pad_token_id=0,

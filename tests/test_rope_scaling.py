@@ -25,7 +25,7 @@ from pagedkv.model.gguf_file import GGUFError
 from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.rope_scaling import rope_frequencies
 from pagedkv.model.spec import ModelSpec, UnsupportedModelError
-from tests.hf_reference import check_against_hf, hf_logits, random_prompt, save_with_word_tokenizer
+from tests.hf_reference import TINY_SHAPE, check_against_hf, hf_logits, random_prompt, save_with_word_tokenizer
 from tests.tiny_gguf import save_tiny_gguf
 
 VOCAB = 256
@@ -35,11 +35,7 @@ ORIGINAL = 32  # the tiny models' "pre-training" context: prompts run past it
 def _qwen2(rope_scaling: dict | None, **overrides) -> Qwen2Config:
     settings = dict(
         vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_SHAPE,
         max_position_embeddings=4 * ORIGINAL,
         rope_theta=500.0,  # a small base: long wavelengths fit the tiny context, so scaling moves the logits
         rope_scaling=rope_scaling,
@@ -55,11 +51,7 @@ def _llama3(**overrides) -> LlamaConfig:
     )
     settings = dict(
         vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_SHAPE,
         max_position_embeddings=128,
         rope_theta=500.0,
         rope_scaling=scaling,
@@ -72,11 +64,7 @@ def _phi3_longrope(partial: float) -> Phi3Config:
     pairs = int(32 * partial) // 2
     return Phi3Config(
         vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_SHAPE,
         max_position_embeddings=4 * ORIGINAL,
         original_max_position_embeddings=ORIGINAL,
         partial_rotary_factor=partial,
