@@ -17,9 +17,10 @@ chatting sees), and reports ``decode_tok_s``: N over the time past the first tok
 with ``max_tokens=1``, in the same process, and subtracted).
 
 ``--weight-format`` runs pagedkv once per format given (default ``gguf``; ``gguf-int8`` is the opt-in
-int8-activation format, docs/int8-activations.md). ``--cold`` runs pagedkv once more with an empty ``$PAGEDKV_CACHE_DIR`` first: its kernels compiled and the
-file's metadata converted, as on a machine that never ran it. The KV pool is sized to 256 MiB on both sides
-(pagedkv: ``kv_cache_memory_gb``; llama.cpp: ``n_ctx`` tokens of its fp16 cache). State the CPU with the numbers.
+int8-activation format, docs/int8-activations.md). ``--cold`` runs pagedkv once more with an empty
+``$PAGEDKV_CACHE_DIR`` first: its kernels compiled and the file's metadata converted, as on a machine that
+never ran it. The KV pool is sized to 256 MiB on both sides (pagedkv: ``kv_cache_memory_gb``; llama.cpp:
+``n_ctx`` tokens of its fp16 cache). State the CPU with the numbers.
 """
 
 from __future__ import annotations
@@ -119,7 +120,9 @@ def _llama_ctx(model: str) -> int:
     return KV_MIB * 2**20 // per_token // 256 * 256
 
 
-def _run(engine: str, model: str, threads: int, decode: int, env: dict | None = None, weight_format: str = "gguf") -> dict:
+def _run(
+    engine: str, model: str, threads: int, decode: int, env: dict | None = None, weight_format: str = "gguf"
+) -> dict:
     command = [sys.executable, __file__, "--child", engine, "--model", model, "--threads", str(threads)]
     command += ["--decode", str(decode), "--weight-format", weight_format]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)

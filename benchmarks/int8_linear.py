@@ -64,8 +64,8 @@ def main() -> None:
             repeats = 20 if rows == 1 else 5
             times = {"exact": [], "int8": []}
             for _ in range(args.rounds):
-                times["exact"].append(cpu_us(lambda: panel.panel_linear(x, exact), repeats))
-                times["int8"].append(cpu_us(lambda: panel.panel_linear(x, int8), repeats))
+                times["exact"].append(cpu_us(lambda x=x, w=exact: panel.panel_linear(x, w), repeats))
+                times["int8"].append(cpu_us(lambda x=x, w=int8: panel.panel_linear(x, w), repeats))
             best = {name: min(values) for name, values in times.items()}
             print(f"{ggml_type.name:6}{f'{n} x {k}':>13}{rows:>6}{best['exact']:>11.0f}{best['int8']:>10.0f}"
                   f"{best['exact'] / best['int8']:>12.2f}", flush=True)

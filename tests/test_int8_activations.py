@@ -6,6 +6,8 @@ The end-to-end check (a tiny GGUF model, exact vs int8 logits) is in tests/test_
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -18,7 +20,7 @@ from pagedkv.model.panel import INT8_FORMAT_BASE
 pytestmark = pytest.mark.skipif(not kernels.gemm.available(), reason="the GEMM library does not build here")
 
 AUTO, AVX2, VNNI = 0, 1, 2
-PATHS = [AVX2] + ([VNNI] if "avx512_vnni" in open("/proc/cpuinfo").read().split() else [])
+PATHS = [AVX2] + ([VNNI] if "avx512_vnni" in Path("/proc/cpuinfo").read_text().split() else [])
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]
 BLOCK = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q5_0: (32, 22), T.Q8_0: (32, 34), T.Q4_K: (256, 144), T.Q6_K: (256, 210)}
 HALF_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q6_K: (208,)}

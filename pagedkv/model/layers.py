@@ -121,7 +121,8 @@ class Linear(nn.Module):
                 f"GGUF tensor {tensor.name!r} of shape {tensor.shape} does not fit rows [{offset}, {offset + rows}) "
                 f"of a [{out_features}, {in_features}] {name}: the config does not match the weights"
             )
-        self._coded_parts[offset] = (int8_linear.weight(tensor) if self.int8_activations else None) or _exact_part(tensor)
+        int8_part = int8_linear.weight(tensor) if self.int8_activations else None
+        self._coded_parts[offset] = int8_part or _exact_part(tensor)
         if sum(p.n for p in self._coded_parts.values()) == out_features:
             self.panels = tuple(part for _, part in sorted(self._coded_parts.items()))
             self._coded_parts = {}

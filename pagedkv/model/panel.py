@@ -17,9 +17,9 @@ one of these formats (the C++ header has the byte layouts):
   :func:`pagedkv.model.gguf_blocks.pack` packs them.
 
 :func:`pack_fp32` packs an fp32 weight; :func:`pack_codes` and :func:`pack_half` pack codes and half-precision
-bits (a GGUF file's own blocks are packed by :mod:`pagedkv.model.gguf_blocks`). Every format computes with exactly its weights in fp32,
-and every output is summed in one fixed order, so the result of a row does not depend on the batch it runs
-in, nor on the format that holds the same weights.
+bits (a GGUF file's own blocks are packed by :mod:`pagedkv.model.gguf_blocks`). Every format computes with
+exactly its weights in fp32, and every output is summed in one fixed order, so the result of a row does not
+depend on the batch it runs in, nor on the format that holds the same weights.
 
 The kernel is built on first use, in its own library (see :mod:`pagedkv.kernels`): it needs AVX2.
 """
