@@ -114,3 +114,22 @@ def test_unknown_model_is_404(server):
 def test_nothing_is_left_behind(app, client):
     stats = wait_idle(app)
     assert stats["kv_blocks_used"] == 0 and app.state.async_engine.num_in_flight == 0
+
+
+def test_the_route_keeps_the_key_the_host_check_and_the_body_bound():
+    """/v1/embeddings passes the same gate as every route: a fresh app with an API key on its own engine."""
+    guarded = build_app(
+        LLMEngine(EngineConfig(num_kv_blocks=32, max_model_len=128, num_threads=1)),
+        MODEL,
+        api_key="sk-embed",
+        max_body_bytes=4096,
+    )
+    key = {"Authorization": "Bearer sk-embed"}
+    body = {"model": MODEL, "input": "hello"}
+    with live_server(guarded) as base_url, httpx.Client(base_url=base_url, timeout=60) as http:
+        assert http.post("/v1/embeddings", json=body).status_code == 401
+        assert http.post("/v1/embeddings", json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert http.post("/v1/embeddings", json=body, headers=key | {"Host": "evil.example"}).status_code == 421
+        assert http.post("/v1/embeddings", content=b"[" * 5000, headers=key).status_code == 413
+        assert len(http.post("/v1/embeddings", json=body, headers=key).json()["data"]) == 1
+        assert wait_idle(guarded)["kv_blocks_used"] == 0
