@@ -42,3 +42,17 @@ def wait_idle(app, timeout_s: float = 30.0) -> dict:
         if not busy and app.state.async_engine.num_in_flight == 0 or time.monotonic() > deadline:
             return stats
         time.sleep(0.05)
+
+
+def wait_healthy(proc, base_url: str, timeout_s: float = 120.0) -> None:
+    """Wait until a ``pagedkv serve`` subprocess answers /health with 200 (failing if it exits or takes too long)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+        try:
+            if httpx.get(base_url + "/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)

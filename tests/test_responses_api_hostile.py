@@ -25,7 +25,7 @@ from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.entrypoints.server.limits import ServerLimits
 from pagedkv.entrypoints.server.openai_server import build_app
-from tests.live_server import live_server, wait_idle
+from tests.live_server import live_server, wait_healthy, wait_idle
 from tests.victim_stream import VictimStream, greedy_text
 
 pytestmark = pytest.mark.slow
@@ -179,14 +179,7 @@ def pagedkv_serve(*options: str) -> Iterator[tuple[str, subprocess.Popen]]:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base_url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(base_url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_healthy(proc, base_url)
         yield base_url, proc
     finally:
         if proc.poll() is None:

@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -24,7 +23,7 @@ from pagedkv.engine.engine import LLMEngine
 from pagedkv.entrypoints.server.limits import ServerLimits
 from pagedkv.entrypoints.server.openai_server import build_app
 from pagedkv.sampling_params import SamplingParams
-from tests.live_server import live_server, wait_idle
+from tests.live_server import live_server, wait_healthy, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -393,14 +392,7 @@ def test_cli_serve_exits_0_on_sigterm_mid_stream():
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base_url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(base_url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_healthy(proc, base_url)
         body = {"messages": QUESTION, "max_tokens": 400, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=60) as resp:
             lines = resp.iter_lines()
