@@ -356,7 +356,7 @@ def test_adversarial_stop_strings_cost_per_character_not_per_prefix():
         import timeit
         from pagedkv.engine.detokenizer import IncrementalDetokenizer
         from pagedkv.sampling_params import SamplingParams
-        from tests.test_detokenizer import ChunkTokenizer
+        from tests.engine.test_detokenizer import ChunkTokenizer
         def per_token(stop):
             d = IncrementalDetokenizer(ChunkTokenizer(['xabcdefgh', 'abc']), [], SamplingParams(stop=stop))
             return min(timeit.repeat(lambda: [d.add_token(i % 2) for i in range(200)], number=1, repeat=5))

@@ -19,7 +19,7 @@ from pagedkv.kv.hashing import extend_block_keys
 from pagedkv.kv.hybrid import HybridKVCacheManager
 from tests.hf_reference import check_against_hf as _check_against_hf
 from tests.hf_reference import save_with_word_tokenizer
-from tests.test_gemma3 import WINDOW, _prompt, checkpoint, pair  # noqa: F401 - fixtures
+from tests.model.test_gemma3 import WINDOW, _prompt, checkpoint, pair  # noqa: F401 - fixtures
 
 BLOCK = 4
 BOUND = -(-WINDOW // BLOCK) + 1  # windowed blocks a request may hold between steps
@@ -192,7 +192,7 @@ def test_aborted_and_preempted_requests_give_every_block_back(checkpoint):  # no
 def test_a_4096_token_request_holds_the_acceptance_bound(tmp_path):
     """KV held for a 4,096-token Gemma 3 request, between decode steps: at most global layers x 4,096 +
     windowed layers x (window + one block) tokens' worth."""
-    from tests.test_gemma3 import _config, _hf_model
+    from tests.model.test_gemma3 import _config, _hf_model
 
     window, block = 64, 16
     hf = _hf_model(_config(sliding_window=window, max_position_embeddings=4200))

@@ -11,7 +11,7 @@ import torch
 from pagedkv import kernels
 from pagedkv.attention.paged import KernelAttention, TorchAttention
 from pagedkv.kv import ops, reference
-from tests.test_kernel import MIXED_STEP, PARTITION, Step, built, kernel  # noqa: F401 (built: a fixture)
+from tests.attention.test_kernel import MIXED_STEP, PARTITION, Step, built, kernel  # noqa: F401 (built: a fixture)
 
 WINDOWS = [1, 5, 16, 100, PARTITION - 1, PARTITION, PARTITION + 1, 700, 5000]
 

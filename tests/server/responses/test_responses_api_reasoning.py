@@ -19,7 +19,7 @@ from pagedkv.config import EngineConfig
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.entrypoints.server.openai_server import build_app
 from tests.live_server import live_server, wait_idle
-from tests.test_reasoning import SHOTS, THINKING_TEMPLATE
+from tests.server.test_reasoning import SHOTS, THINKING_TEMPLATE
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ import torch
 from pagedkv import LLM, SamplingParams, kernels
 from pagedkv.extension import cpu_flags
 from pagedkv.model import gguf_blocks, panel
-from tests.test_gguf_blocks import random_blocks, reference
+from tests.model.test_gguf_blocks import random_blocks, reference
 
 SHAPES = [(960, 576), (576, 1536), (37, 96), (16, 32)]
 GROUP, Q4_LEVELS, Q8_LEVELS = 32, 15, 127  # a Q4_1 / Q8_0 group's weights, and their codes' largest values

@@ -32,7 +32,7 @@ from gguf import GGMLQuantizationType as T
 from pagedkv import LLM, SamplingParams, kernels
 from pagedkv.model import panel
 from pagedkv.model.layers import Linear
-from tests.test_int8_activations import reference
+from tests.model.test_int8_activations import reference
 from tests.tiny_gguf import save_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not kernels.gemm.available(), reason="the GEMM library does not build here")

@@ -17,7 +17,7 @@ from pagedkv import LLM, SamplingParams, kernels
 from pagedkv.attention.paged import KernelAttention, TorchAttention
 from pagedkv.config import EngineConfig
 from pagedkv.kv import ops
-from tests.test_kernel import MIXED_STEP, Step, built, kernel, needs_kernel  # noqa: F401 (built: a fixture)
+from tests.attention.test_kernel import MIXED_STEP, Step, built, kernel, needs_kernel  # noqa: F401 (built: a fixture)
 from tests.tiny_model import save_tiny_llama
 
 
