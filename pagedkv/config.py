@@ -2,7 +2,7 @@
 
 Each field's ``metadata["help"]`` says what it does, for the CLI options generated from the fields; where
 only some values are allowed, ``metadata["choices"]`` lists them, here so that reading the config loads
-neither torch nor the implementations, which key their tables by these names (tests/test_config.py checks).
+neither torch nor the implementations, which key their tables by these names (tests/config/test_config.py checks).
 ``dtype`` and ``linear_backend`` are the old names of ``weight_format`` and ``kernels``, kept for one
 release: they warn and are mapped to the new fields, then read None.
 """

@@ -25,43 +25,48 @@ TESTS = Path(__file__).resolve().parent
 # Fixtures that load the real default model (or its tokenizer): a test using any of them is marked slow.
 REAL_MODEL_FIXTURES = frozenset({"default_model_path", "hf_default_model", "hf_default_tokenizer", "default_model"})
 
-# `make test-fast` runs the tests marked fast and not slow: the unit tests in the folders that mirror the package
-# (tests/engine/, ...) and these flat files, each measured to need no real model and little time. The number is
-# the CPU seconds of the file's tests past pytest's start (`pytest -m "not slow" --durations=3 FILE` under
-# /usr/bin/time, less the ~4.5 s a bare run takes; AMD EPYC Zen 5, 2 cores shared with other jobs): about 80 s
-# together. Files not listed -- tiny models run for many steps, kernel builds and sweeps, live servers,
-# hypothesis searches over the disk tier -- took 9 s to over 2 minutes each and run in `make test` only.
+# `make test-fast` runs the tests marked fast and not slow: the files listed here by their path under tests/, each
+# measured to need no real model and little time. The number is the CPU seconds of the file's tests past pytest's
+# start (`pytest -m "not slow" --durations=3 FILE` under /usr/bin/time, less the ~5 s a bare run takes; AMD EPYC
+# Zen 5, 2 cores shared with other jobs): about 80 s together. Files not listed -- tiny models run for many steps,
+# kernel builds and sweeps, live servers, hypothesis searches over the disk tier -- took 9 s to over 2 minutes
+# each and run in `make test` only. A new file joins the list once measured.
 FAST_FILES = {
-    "test_admission.py": 0.4,
-    "test_block_pool.py": 0.3,
-    "test_body_values.py": 2.0,
-    "test_cache_report.py": 6.7,
-    "test_chat_rendering.py": 3.0,
-    "test_chat_template_file.py": 2.5,
-    "test_checkpoint.py": 0.9,
-    "test_config.py": 2.2,
-    "test_detokenizer.py": 4.8,
-    "test_dockerfile.py": 0.0,
-    "test_docs.py": 1.7,
-    "test_fair_scheduling.py": 6.6,
-    "test_forwarding.py": 5.2,
-    "test_gguf_blocks.py": 0.9,
-    "test_loader.py": 5.4,
-    "test_manager_stateful.py": 3.9,
-    "test_model_kernels.py": 2.6,
-    "test_ops.py": 0.9,
-    "test_prefix_affinity.py": 0.0,
-    "test_prefix_cache_scenarios.py": 0.0,
-    "test_reasoning.py": 4.8,
-    "test_rooms.py": 2.5,
-    "test_replica_options.py": 5.2,
-    "test_routing_keys.py": 5.5,
-    "test_runner.py": 3.2,
-    "test_sampling.py": 4.6,
-    "test_server_connections.py": 1.9,
-    "test_simd_fp16.py": 0.8,
-    "test_speculative.py": 1.5,
-    "test_structured_checks.py": 1.5,
+    "config/test_config.py": 2.2,
+    "engine/test_admission.py": 0.4,
+    "engine/test_chat_rendering.py": 3.0,
+    "engine/test_chat_template_file.py": 2.5,
+    "engine/test_core.py": 0.0,
+    "engine/test_detokenizer.py": 4.8,
+    "engine/test_fair_scheduling.py": 6.6,
+    "engine/test_output_processor.py": 0.0,
+    "engine/test_runner.py": 3.2,
+    "engine/test_scheduler.py": 0.0,
+    "engine/test_scheduler_drafts.py": 0.5,
+    "engine/test_speculative.py": 1.5,
+    "kernels/test_simd_fp16.py": 0.8,
+    "kv/test_block_pool.py": 0.3,
+    "kv/test_cache_report.py": 6.7,
+    "kv/test_manager_stateful.py": 3.9,
+    "kv/test_ops.py": 0.9,
+    "kv/test_prefix_cache_scenarios.py": 0.0,
+    "model/test_checkpoint.py": 0.9,
+    "model/test_gguf_blocks.py": 0.9,
+    "model/test_loader.py": 5.4,
+    "model/test_model_kernels.py": 2.6,
+    "project/test_dockerfile.py": 0.0,
+    "project/test_docs.py": 1.7,
+    "project/test_layout.py": 0.0,
+    "project/test_rooms.py": 2.5,
+    "replicas/test_forwarding.py": 5.2,
+    "replicas/test_prefix_affinity.py": 0.0,
+    "replicas/test_replica_options.py": 5.2,
+    "replicas/test_routing_keys.py": 5.5,
+    "sampling/test_sampling.py": 4.6,
+    "server/test_body_values.py": 2.0,
+    "server/test_reasoning.py": 4.8,
+    "server/test_server_connections.py": 1.9,
+    "structured/test_structured_checks.py": 1.5,
 }
 
 
@@ -70,8 +75,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if REAL_MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-        path = item.path.relative_to(TESTS)
-        if len(path.parts) > 1 or path.name in FAST_FILES:
+        if item.path.relative_to(TESTS).as_posix() in FAST_FILES:
             item.add_marker(pytest.mark.fast)
 
 

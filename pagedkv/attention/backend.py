@@ -2,7 +2,7 @@
 
 Choosing at start means a machine without a compiler runs (on the torch backend, with one log line saying
 why) instead of failing at its first step, and a layer's forward is one method call with no dispatch on a
-name. Both backends give the same numbers within float rounding (tests/test_kernel.py holds them to it);
+name. Both backends give the same numbers within float rounding (tests/attention/test_kernel.py holds them to it);
 only the kernel is batch-invariant to the bit.
 """
 

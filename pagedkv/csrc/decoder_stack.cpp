@@ -6,7 +6,7 @@
 // 330 tokens of context), the layers took 12.5 ms through the nn.Modules, 10.9 ms calling the same
 // torch.ops from a bare Python loop, and 8.4 ms in the GEMMs and attention alone. Here the same ops run
 // in the same order on the same tensors, called through the dispatcher from C++, so the result is the
-// per-module path's to the bit (tests/test_decoder_stack.py compares the two); only the Python goes.
+// per-module path's to the bit (tests/model/test_decoder_stack.py compares the two); only the Python goes.
 //
 // It covers every Llama-family layer the panel GEMM serves whole: each linear packed in one part or in
 // several stacked by output rows (a GGUF file's fused q|k|v or gate|up whose parts it stores in different

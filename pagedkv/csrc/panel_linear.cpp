@@ -433,7 +433,7 @@ void panels(const Problem& p, int64_t begin, int64_t end) {
 //
 // The arithmetic is exactly tile<>'s, in the same order (the header's); the weights are decoded as the
 // expansion does (the same operations, whatever the vector width). A row therefore gets the same bits
-// whichever path, vector width or thread computes it (tests/test_panel.py checks all of them against the
+// whichever path, vector width or thread computes it (tests/model/test_panel.py checks all of them against the
 // tiled path and against the order itself, and every format against an fp32 panel of its decoded weights).
 
 constexpr int kRows = 4;  // most rows per register kernel

@@ -10,7 +10,7 @@ The config needs none of those arrays, so :func:`config_reader_on_copy` writes a
 without them -- the records' bytes as the file holds them (types and all), no tensors, and ``vocab_size``
 where the file leaves it to the vocabulary's length -- and, while the conversion runs, points transformers'
 legacy config reads of the file at that copy. Nothing else changes: the tokenizer is still read from the file,
-and the config is the one transformers builds from the same keys (``tests/test_gguf_convert.py`` compares
+and the config is the one transformers builds from the same keys (``tests/model/test_gguf_convert.py`` compares
 the two on every architecture we load). ``tie_word_embeddings``, which transformers would infer from the
 tensors, is decided by the loader from the whole split set anyway.
 """

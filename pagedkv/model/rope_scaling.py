@@ -4,7 +4,7 @@ A long-context checkpoint stretches RoPE beyond the positions it was pre-trained
 frequency of each rotated pair, and some types also scale cos and sin by an "attention factor" (equivalent to
 sharpening the softmax, since both q and k are rotated). Each function below follows the formula of the
 paper its type comes from, in the fp32 operations HF transformers uses, so the tables match its own
-(``tests/test_rope_scaling.py`` compares them with ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS``).
+(``tests/model/test_rope_scaling.py`` compares them with ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS``).
 
 ``longrope`` (Phi-3 128k, Phi-3.5, Phi-4-mini) has two sets of per-pair factors, short and long. HF picks
 the set anew at every forward from the longest position in it, so K cached while a sequence was short

@@ -4,7 +4,7 @@ Megatron-style sharding needs four collectives, all on ``torch.distributed`` (gl
 
 * ``all_reduce`` after each row-parallel layer (o_proj, down_proj) and after the vocab-parallel embedding:
   every rank ends with the same sum -- bitwise: gloo's ring reduces each chunk once and sends the result
-  around, so no rank sums in its own order (tests/test_tensor_parallel.py checks it);
+  around, so no rank sums in its own order (tests/parallel/test_tensor_parallel.py checks it);
 * ``gather_logits``: each rank's vocabulary slice of the LM head's logits, concatenated on rank 0;
 * ``broadcast`` of each step's flat inputs from rank 0 (``pagedkv.parallel.wire``).
 

@@ -24,7 +24,7 @@ from pagedkv.attention import backend
 
 HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
 needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler here: nothing can be built")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NAME = "pagedkv_tiny"
 TINY_SOURCE = """#include <torch/library.h>
 

@@ -1,6 +1,6 @@
 """Which kernels a process loads (issue 29): a wheel's prebuilt variant for the CPU, the first-use compile of a
 checkout, or none, and what it says. No compiling here: the prebuilt directory is a fake one (a manifest and
-empty files), and the load itself is what tests/test_wheel.py runs for real."""
+empty files), and the load itself is what tests/project/test_wheel.py runs for real."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-CSRC = Path(__file__).resolve().parent.parent / "pagedkv" / "csrc"
+CSRC = Path(__file__).resolve().parents[2] / "pagedkv" / "csrc"
 CXX = shutil.which(os.environ.get("CXX", "c++"))
 PROGRAM = r"""
 #include <cstdio>

@@ -29,7 +29,7 @@ from tests.tiny_model import save_tiny_llama
 GREEDY = SamplingParams(max_tokens=10, temperature=0, logprobs=2)
 SEEDED = SamplingParams(max_tokens=10, temperature=0.9, seed=7, logprobs=2)
 SCORED = SamplingParams(max_tokens=4, temperature=0, logprobs=2, prompt_logprobs=2)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DISK_LOGGER = "pagedkv.kv.disk_tier"
 
 

@@ -2,7 +2,7 @@
 reference of llama.cpp's arithmetic: x quantised as ggml's reference quantisers do, integer dot products with the
 weights' codes, the block scales applied in fp32 -- per type, on random blocks with extreme scales, on every
 instruction-set path; the quantisation itself against the ``gguf`` package's; batch invariance bit for bit.
-The end-to-end check (a tiny GGUF model, exact vs int8 logits) is in tests/test_int8_model.py."""
+The end-to-end check (a tiny GGUF model, exact vs int8 logits) is in tests/model/test_int8_model.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """``weight_format="gguf-int8"`` end to end on tiny GGUF models.
 
 Two checks per model. First, that the model computes llama.cpp's arithmetic and nothing else: the same model with
-every int8 linear layer replaced by the numpy reference of tests/test_int8_activations.py (the modules run, not
+every int8 linear layer replaced by the numpy reference of tests/model/test_int8_activations.py (the modules run, not
 the compiled stack) scores the same sequences within 1e-4 at 80 % of positions at least, and within 0.1 at all:
 the kernel and the reference sum in different orders, so an activation that lands within an fp32 rounding of a
 half step can round the other way in one of them -- one code off by one, felt at that position and the later
@@ -9,7 +9,7 @@ ones of its sequence (their attention reads it), a few hundredths of a nat (meas
 positions within 1e-4, the rest within 0.024, one such flip). A wrong code, scale, row order or part anywhere
 would move every position.
 
-Second, what the format costs against the exact path ("gguf", which tests/test_gguf_native.py holds to HF):
+Second, what the format costs against the exact path ("gguf", which tests/model/test_gguf_native.py holds to HF):
 MEAN_BOUND = 0.15 nats of mean |logprob difference|. Why: a block's activations are rounded to steps of
 amax / 127, an RMS error of amax / (127 sqrt 12), about 0.7 % of the activations' RMS (amax is ~3 RMS in a block
 of normal-like values); errors are independent across a dot product, so each linear output moves by ~0.7 % of

@@ -102,7 +102,7 @@ def gguf_weight(ggml_type: int, fmt: str, n: int, k: int, seed: int = 0) -> tupl
     """``(w, packed)`` for random blocks of a GGUF type: ``w`` as gguf's numpy code de-quantises them,
     ``packed`` by :func:`gguf_blocks.pack` in ``fmt``. Every code and sub-block scale turns up, and the blocks'
     fp16 scales are model-sized but for the first few: fp16's largest, its smallest subnormal and zeros, of
-    either sign (tests/test_gguf_blocks.py)."""
+    either sign (tests/model/test_gguf_blocks.py)."""
     raw = random_blocks(ggml_type, n, k, seed)
     return reference(raw, ggml_type, n, k), gguf_blocks.pack(raw, ggml_type, n, k, fmt)
 
@@ -436,7 +436,7 @@ def test_q4_and_panel_engines_match_the_torch_gemm_engine() -> None:
 def test_a_broken_compiler_falls_back_to_torch(monkeypatch, tmp_path, caplog) -> None:
     """No compiler: kernels resolve to torch's ops with one warning per library instead of failing the engine.
 
-    (The torch path itself is what tests/test_engine_hf.py and tests/test_model_hf.py check against HF.)
+    (The torch path itself is what tests/system/test_engine_hf.py and tests/model/test_model_hf.py check against HF.)
     """
     import logging
 

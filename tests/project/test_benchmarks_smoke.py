@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 METHODS = ["loop", "indexed", "gather_kv", "slots+sel", "slots_out", "floor"]
 ELEMENT_SIZE = {"float32": 4, "bfloat16": 2}
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "pagedkv"
+PACKAGE = Path(__file__).resolve().parents[2] / "pagedkv"
 
 # Bottom to top. A room is a subpackage, a group of the package root's loose modules, or (in entrypoints/) a
 # subpackage or module of a subpackage: a module's room is the one naming the longest prefix of its dotted path.

@@ -27,7 +27,7 @@ import pytest
 
 from pagedkv.extension import cpu_level
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(

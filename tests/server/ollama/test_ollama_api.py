@@ -2,7 +2,7 @@
 
 References are the same engine's offline greedy outputs, computed before the server takes the engine over,
 and the OpenAI route of the same server; the model facts are checked against the GGUF file read by the
-``gguf`` package. Hostile inputs on these routes: tests/test_ollama_hostile.py.
+``gguf`` package. Hostile inputs on these routes: tests/server/ollama/test_ollama_hostile.py.
 """
 
 from __future__ import annotations
