@@ -675,7 +675,7 @@ PAGEDKV_AVX512 PAGEDKV_INLINE void chunk_avx512(const uint8_t* unit, int64_t uni
   const float* xs[R];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) xs[r] = x + r * ldx;
-  const auto step = [&](const uint8_t* u, int64_t n) PAGEDKV_AVX512_INLINE {
+  const auto step = [&](const uint8_t* u, int64_t n) PAGEDKV_AVX512 {  // inlined by rows_avx512's flatten
     const auto add = [&](int64_t s) PAGEDKV_AVX512_INLINE {
       decode_avx512<F>(u + s * S::kBytes, [&](int64_t j, __m512 w) PAGEDKV_AVX512_INLINE {
         const int64_t k = s * S::kUnit + j;
@@ -694,8 +694,11 @@ PAGEDKV_AVX512 PAGEDKV_INLINE void chunk_avx512(const uint8_t* unit, int64_t uni
   for (int r = 0; r < R; ++r) out[r] = _mm512_add_ps(acc[0][r], acc[1][r]);
 }
 
+// flatten, not always_inline on chunk_avx512's step: GCC inlines walk_chunk's body on its own first, and an
+// always_inline AVX-512 lambda called from that generic body is an error where the build flags lack AVX-512
+// (x86-64-v3: the wheel, an AVX2 machine). Flattening inlines the step here, checked against this function.
 template <int F, int R>
-PAGEDKV_AVX512 void rows_avx512(const Problem& p, int64_t row, int64_t panel) {
+PAGEDKV_AVX512 __attribute__((flatten)) void rows_avx512(const Problem& p, int64_t row, int64_t panel) {
   using S = Spec<F>;
   const uint8_t* w = p.w + panel * p.panel_bytes;
   const float* x = p.x + row * p.k;
