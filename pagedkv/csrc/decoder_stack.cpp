@@ -17,7 +17,9 @@
 // attention window and RoPE table. Gemma is where the Python costs most: its 270M model spends a third of its
 // weights' time per decode step in ~200 small ops. What it leaves to the modules
 // (pagedkv/model/decoder_stack.py decides): torch's GEMM (weights not packed), torch's attention and norms,
-// tensor parallelism (the row-parallel all-reduce is Python's), partial rotary.
+// tensor parallelism (the row-parallel all-reduce is Python's). A partial rotary factor (Phi-4-mini rotates the
+// first 3/4 of each head) is the modules' too: the same rope_ on the same strided view of each head's leading
+// `rotary_dim` dimensions.
 //
 // The ops live in two libraries (the GEMM's needs AVX2), so they are found by name through the dispatcher
 // when the first step runs, not linked: this file builds wherever the portable library does.
@@ -116,10 +118,15 @@ constexpr int64_t kLinearsPerLayer = 4;  // qkv, o, gate_up, down
 
 class DecoderStack : public torch::CustomClassHolder {
  public:
-  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
-      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {
+  // rotary_dim: how many leading dimensions of each q/k head RoPE rotates (head_dim but for a partial factor).
+  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim, double eps,
+               double scale)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), rotary_dim_(rotary_dim),
+        eps_(eps), scale_(scale) {
     TORCH_CHECK_VALUE(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim > 0,
                       "DecoderStack: query heads must be a positive multiple of KV heads");
+    TORCH_CHECK_VALUE(rotary_dim > 0 && rotary_dim <= head_dim && rotary_dim % 2 == 0,
+                      "DecoderStack: rotary_dim must be even and in (0, head_dim]; got ", rotary_dim);
   }
 
   // The next layer. Its linears are qkv, o, gate_up, down, in that order: `parts` holds how many parts each
@@ -181,6 +188,11 @@ class DecoderStack : public torch::CustomClassHolder {
     TORCH_CHECK_VALUE(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(),
                       "DecoderStack: h must be a contiguous float32 [T, hidden] tensor");
     TORCH_CHECK_VALUE(cos.size() == sin_signed.size(), "DecoderStack: one sin table per cos table");
+    for (size_t i = 0; i < cos.size(); ++i) {
+      TORCH_CHECK_VALUE(cos[i].size(-1) == rotary_dim_ && sin_signed[i].size(-1) == rotary_dim_,
+                        "DecoderStack: RoPE tables must be ", rotary_dim_, " wide (rotary_dim), table ", i, " is ",
+                        cos[i].size(-1));
+    }
     for (const Layer& layer : layers_) {
       TORCH_CHECK_VALUE(layer.rope < static_cast<int64_t>(cos.size()), "DecoderStack: a layer rotates with RoPE table ",
                         layer.rope, " but forward got ", cos.size());
@@ -197,7 +209,8 @@ class DecoderStack : public torch::CustomClassHolder {
       if (layer.qk_norm) {  // F.rms_norm(qk, (head_dim,), eps=eps) * qk_norm_weight: torch's own ops, as there
         qk = at::rms_norm(qk, {head_dim_}, std::nullopt, eps_).mul(*layer.qk_norm);
       }
-      ops.rope_.call(qk, cos[layer.rope], sin_signed[layer.rope]);
+      Tensor rotated = rotary_dim_ == head_dim_ ? qk : qk.narrow(2, 0, rotary_dim_);  // rotate_heads' view
+      ops.rope_.call(rotated, cos[layer.rope], sin_signed[layer.rope]);
       const bool own_tables = layer.window > 0 && window_block_tables.has_value();
       ops.write_kv.call(k_pools_[l], v_pools_[l], own_tables ? *window_slot_mapping : slot_mapping,
                         qk.narrow(1, num_heads_, num_kv_heads_), qkv.narrow(1, qk_heads, num_kv_heads_));
@@ -231,7 +244,7 @@ class DecoderStack : public torch::CustomClassHolder {
 
   std::vector<Layer> layers_;
   std::vector<Tensor> k_pools_, v_pools_;
-  int64_t num_heads_, num_kv_heads_, head_dim_;
+  int64_t num_heads_, num_kv_heads_, head_dim_, rotary_dim_;
   double eps_, scale_;
   std::optional<Ops> ops_;
 };
@@ -240,7 +253,7 @@ class DecoderStack : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(pagedkv, lib) {
   lib.class_<DecoderStack>("DecoderStack")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double>())
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("bind_pools", &DecoderStack::bind_pools)
       .def("forward", &DecoderStack::forward);

@@ -14,7 +14,9 @@ per part, ``add_`` for a bias, torch's ``rms_norm`` and ``mul`` for the q/k norm
 for GeGLU). Measured on Gemma 3 270M Q4_K_M (2 threads, one decode): the stack cut a step's CPU time by
 about a third (docs/models-gemma3-speed.md). What runs the modules is what it cannot call from C++ as they do:
 torch's GEMM (weights left unpacked), torch's attention or norms (the gather backend, ``kernels=False``),
-tensor parallelism (its collectives), and Phi-4-mini's partial rotary.
+tensor parallelism (its collectives), a mixture-of-experts MLP. Phi-4-mini's partial rotary runs in the stack:
+it rotates the same strided view of each head's leading ``rotary_dim`` dimensions with the same ``rope_`` as
+``rotate_heads``.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class DecoderStack:
     def __init__(self, model: nn.Module) -> None:
         first = model.layers[0].self_attn
         self._stack = torch.classes.pagedkv.DecoderStack(
-            first.num_heads, first.num_kv_heads, first.head_dim, first.eps, first.scale
+            first.num_heads, first.num_kv_heads, first.head_dim, model.spec.rotary_dim, first.eps, first.scale
         )
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -100,14 +102,11 @@ def stack_for(model: nn.Module) -> DecoderStack | None:
     if model.tp.world_size != 1 or not isinstance(model.attention, KernelAttention):
         return None
     spec = model.spec
-    if spec.activation not in ("silu", "gelu_tanh") or spec.rotary_dim != spec.head_dim:
+    if spec.activation not in ("silu", "gelu_tanh"):
         logger.info(
-            "%s layers (activation %s, %d of %d dimensions rotated) run as modules: the compiled decoder stack "
-            "computes SiLU or GeLU-tanh layers with RoPE on whole heads",
+            "%s layers (activation %s) run as modules: the compiled decoder stack computes SiLU or GeLU-tanh layers",
             spec.model_type,
             spec.activation,
-            spec.rotary_dim,
-            spec.head_dim,
         )
         return None
     if spec.moe is not None:

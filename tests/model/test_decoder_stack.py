@@ -1,13 +1,14 @@
 """The compiled decoder stack (``csrc/decoder_stack.cpp``) against the model's own modules, which it replaces in
 a step: the same hidden states and the same KV pool, bit for bit, on mixed steps (prefill chunks, decodes,
 drafts), with fp32 panels, quantised ones, fused layers whose parts are in different formats (a Q4_K_M file's),
-biases on every linear, and Qwen3's q/k norm; and the configurations it does not cover run the modules."""
+biases on every linear, Qwen3's q/k norm, Gemma 3's layers and Phi-4-mini's partial rotary; and the
+configurations it does not cover run the modules."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
+from transformers import Gemma3TextConfig, LlamaConfig, Phi3Config, Qwen3Config
 
 from pagedkv import kernels
 from pagedkv.attention.paged import KernelAttention, TorchAttention
@@ -56,6 +57,8 @@ KINDS = {
             },
         ),
     ),
+    # Phi-4-mini: RoPE on the first 3/4 of each head only (48 of 64 dimensions), the rest passed through
+    "phi4-partial-rotary": ("mixed", Phi3Config(**CONFIG, partial_rotary_factor=0.75, pad_token_id=0)),
 }
 # Two steps of three requests (block tables, new tokens, context after the step): whole prompts first, then
 # a decode, a decode with two drafts, and a new prompt's first chunk -- in that order, not decodes first.
@@ -165,6 +168,7 @@ def test_the_models_are_what_their_kinds_say() -> None:
     assert [layer.self_attn.window for layer in gemma.layers] == [5, 0, 5]
     assert [layer.rope for layer in gemma.layers] == [1, 0, 1]
     assert all(layer.sandwich and layer.mlp.activation == "gelu_tanh" for layer in gemma.layers)
+    assert model("phi4-partial-rotary").spec.rotary_dim == 48
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -219,6 +223,8 @@ def test_the_stack_refuses_layers_and_pools_that_do_not_fit() -> None:
         stack.add_layer(
             norm, norm, None, [part.packed] * 4, [32, 256, 0] * 4, [1, 1, 1, 1], [None] * 4, [norm], 0, 0, True
         )
+    with pytest.raises(ValueError, match="rotary_dim must be even and in"):
+        torch.classes.pagedkv.DecoderStack(4, 2, HEAD_DIM, HEAD_DIM + 2, 1e-6, 0.125)
     pools = [(torch.zeros(16, BLOCK, 2, HEAD_DIM), torch.zeros(16, BLOCK, 2, HEAD_DIM))]
     with pytest.raises(ValueError, match="one k and one v pool per layer"):
         stack.bind_pools([k for k, _ in pools], [v for _, v in pools])
