@@ -156,9 +156,12 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.int8_activations = weight_format == int8_linear.WEIGHT_FORMAT
-        # one RoPE table per distinct base: the full-attention layers', then the windowed layers' (Gemma 3)
+        # one RoPE table per distinct base: the full-attention layers', then the windowed layers' (Gemma 3); rows
+        # up to the served context only (spec.max_model_len: the engine's limit where it sets one)
         ropes = [spec.rope] + ([spec.local_rope] if spec.local_rope is not None else [])
-        self.rotary = nn.ModuleList(RotaryEmbedding(spec.rotary_dim, spec.max_positions, rope) for rope in ropes)
+        self.rotary = nn.ModuleList(
+            RotaryEmbedding(spec.rotary_dim, spec.max_model_len, rope, spec.max_positions) for rope in ropes
+        )
         self.embed_source: GGUFTensor | None = None  # an untied embedding read from a GGUF file in place
         # all layers in one compiled call where they fit it (model/decoder_stack.py); False runs the modules
         self.fused_layers = True

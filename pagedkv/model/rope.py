@@ -1,7 +1,9 @@
 """Rotary position embedding (RoPE): one cos/sin table per model, applied to q and k in one pass.
 
-The table is built once, up to the model's maximum position, so a step only indexes it by ``positions``
-(once per forward, shared by every layer). Heads use the "rotate half" layout of HF Llama checkpoints
+The table is built once, one row per position the engine can reach (its ``max_model_len``: no request is
+longer), so a step only indexes it by ``positions`` (once per forward, shared by every layer). Sized by the
+model's ``max_position_embeddings`` instead, a 131k-position Phi-3 config's two tables took ~100 MB however
+short the engine's limit. Heads use the "rotate half" layout of HF Llama checkpoints
 (pairs ``(i, i + D/2)``), which lets the rotation be written as ``x * cos + roll(x, D/2) * sin_signed``
 with ``sin_signed = [-sin, sin]``: four tensor ops for q and k together instead of a split, negate and
 concatenate per tensor.
@@ -35,19 +37,28 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Precomputed ``cos`` and signed ``sin`` tables, ``[max_positions, rotary_dim]`` each, fp32, already
+    """Precomputed ``cos`` and signed ``sin`` tables, ``[num_positions, rotary_dim]`` each, fp32, already
     multiplied by the scaling's attention factor (as HF multiplies its cos and sin).
 
     ``rotary_dim``: how many leading dimensions of each head RoPE rotates (Phi-4-mini's
-    ``partial_rotary_factor`` rotates 3/4 of them; the rest pass through unrotated)."""
+    ``partial_rotary_factor`` rotates 3/4 of them; the rest pass through unrotated). ``num_positions``: the
+    table's rows, the engine's ``max_model_len``. ``max_position_embeddings``: the config's, which longrope's
+    frequencies and attention factor depend on whatever the table's length (rope_scaling.py)."""
 
-    def __init__(self, rotary_dim: int, max_positions: int, params: dict[str, Any]) -> None:
+    def __init__(
+        self, rotary_dim: int, num_positions: int, params: dict[str, Any], max_position_embeddings: int
+    ) -> None:
         super().__init__()
         if rotary_dim % 2:
             raise ValueError(f"RoPE needs an even number of rotated dimensions, got {rotary_dim}")
+        if not 0 < num_positions <= max_position_embeddings:
+            raise ValueError(
+                f"a RoPE table of {num_positions} positions: it needs 1 to max_position_embeddings "
+                f"({max_position_embeddings}) rows"
+            )
         self.rotary_dim = rotary_dim
-        inv_freq, attention_factor = rope_frequencies(rotary_dim, params, max_positions)
-        angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        inv_freq, attention_factor = rope_frequencies(rotary_dim, params, max_position_embeddings)
+        angles = torch.arange(num_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         cos, sin = angles.cos() * attention_factor, angles.sin() * attention_factor
         self.register_buffer("cos", torch.cat([cos, cos], dim=-1), persistent=False)
         self.register_buffer("sin_signed", torch.cat([-sin, sin], dim=-1), persistent=False)

@@ -61,8 +61,9 @@ class ModelSpec:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
-    max_positions: int  # size of the RoPE table: the model's max_position_embeddings
-    max_model_len: int  # longest context served exactly (a context-wide window and the engine's limit cap it)
+    max_positions: int  # the model's max_position_embeddings (longrope's factor is inferred from it)
+    max_model_len: int  # longest context served exactly (a context-wide window and the engine's limit cap it):
+    # the RoPE tables' rows
     rope: dict[str, Any]  # RoPE of the full-attention layers (every layer's, without local_rope)
     rotary_dim: int  # leading dimensions of each q/k head that RoPE rotates (head_dim but for a partial factor)
     activation: str = "silu"  # the gated MLP's activation: a value of ACTIVATIONS

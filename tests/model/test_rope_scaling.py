@@ -23,6 +23,7 @@ from pagedkv import LLM, SamplingParams
 from pagedkv.model import gguf_rope
 from pagedkv.model.gguf_file import GGUFError
 from pagedkv.model.llama import LlamaForCausalLM
+from pagedkv.model.rope import RotaryEmbedding
 from pagedkv.model.rope_scaling import rope_frequencies
 from pagedkv.model.spec import ModelSpec, UnsupportedModelError
 from tests.hf_reference import TINY_SHAPE, check_against_hf, hf_logits, random_prompt, save_with_word_tokenizer
@@ -158,6 +159,35 @@ def test_engine_greedy_matches_hf_chunked_batched_and_from_the_prefix_cache(scal
     check_against_hf(hf, prompts, warm)
     assert warm[2].num_cached_tokens >= 3 * ORIGINAL - 4
     llm.engine.close()
+
+
+def test_rope_tables_hold_the_engines_max_model_len_not_max_position_embeddings(tmp_path):
+    """A 131,072-position longrope config (Phi-3-mini-128k's length; its tables took ~100 MB) served with
+    max_model_len 64: the tables hold 64 rows, the same bits as the leading rows of a table sized by
+    max_position_embeddings (longrope's attention factor still comes from the config's length), and a request
+    that fills the 64 positions gives HF's tokens and logprobs."""
+    config = copy.deepcopy(CONFIGS["longrope-partial"])
+    config.max_position_embeddings = 131072
+    hf = _hf_model(config)
+    llm = LLM(model=save_with_word_tokenizer(hf, tmp_path), max_model_len=64, block_size=4, num_kv_blocks=32)
+    model = llm.engine.runner.model
+    spec = model.spec
+    assert spec.max_model_len == 64 and spec.max_positions == 131072
+    whole = RotaryEmbedding(spec.rotary_dim, 131072, spec.rope, spec.max_positions)
+    served = model.rotary[0]
+    assert served.cos.shape == served.sin_signed.shape == (64, spec.rotary_dim)
+    assert torch.equal(served.cos, whole.cos[:64]) and torch.equal(served.sin_signed, whole.sin_signed[:64])
+    prompt = random_prompt(5, 60, VOCAB)  # past the original 32: the long factors and a large attention factor
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=1, ignore_eos=True)
+    outputs = llm.generate(prompt_token_ids=[prompt], sampling_params=params)
+    assert len(prompt) + len(outputs[0].outputs[0].token_ids) == 64
+    check_against_hf(hf, [prompt], outputs)
+    llm.engine.close()
+
+
+def test_a_rope_table_longer_than_max_position_embeddings_is_refused():
+    with pytest.raises(ValueError, match="1 to max_position_embeddings"):
+        RotaryEmbedding(32, 129, {"rope_type": "default", "rope_theta": 500.0}, 128)
 
 
 # -- refused by name ------------------------------------------------------------------------------------------
