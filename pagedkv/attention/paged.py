@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from pagedkv import kernels
+from pagedkv import kernel_ops
 from pagedkv.attention.metadata import AttentionMetadata, GatherMetadata
 from pagedkv.kv import ops
 
@@ -108,7 +108,7 @@ class KernelAttention:
         window: int = 0,
     ) -> Tensor:
         """As :meth:`TorchAttention.forward`; both pools written in one compiled call."""
-        kernels.write_kv(k_pool, v_pool, meta.slot_mapping, k, v)
-        return kernels.paged_attention(
+        kernel_ops.write_kv(k_pool, v_pool, meta.slot_mapping, k, v)
+        return kernel_ops.paged_attention(
             q, k_pool, v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, window
         )

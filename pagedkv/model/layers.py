@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pagedkv import kernels
+from pagedkv import kernel_ops
 from pagedkv.model import gguf_blocks, gguf_weights, int8_linear, panel
 from pagedkv.model.gguf_file import GGUFTensor
 from pagedkv.model.panel import PanelWeight
@@ -185,7 +185,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         """``rms_norm(x)``; with ``residual``: ``residual += x`` in place first, and the sum is normalised."""
         if self.compiled and x.dim() == 2 and (residual is None or residual.is_contiguous()):
-            return kernels.rms_norm(x.contiguous(), self.weight, self.eps, residual)
+            return kernel_ops.rms_norm(x.contiguous(), self.weight, self.eps, residual)
         if residual is not None:
             x = residual.add_(x)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -219,7 +219,7 @@ class GatedMLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)
         if self.activation == "silu" and self.compiled and gate_up.dim() == 2 and gate_up.is_contiguous():
-            hidden = kernels.silu_mul(gate_up)
+            hidden = kernel_ops.silu_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)
             act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from pagedkv import kernels
+from pagedkv import kernel_ops, kernels
 
 PANEL = 16
 COMPACT = {"q4k": 8, "q6k": 9, "q5": 10, "q5k": 11, "q2k": 12, "q3k": 13}
@@ -152,14 +152,14 @@ def rows(weight: PanelWeight, ids: Tensor) -> Tensor:
         kernels.portable.require("GGUF blocks are read by them")
         type_id = INT8_FORMATS[weight.format] - INT8_FORMAT_BASE
         return torch.ops.pagedkv.gguf_rows(weight.packed, type_id, ids.to(torch.int64).contiguous(), weight.k)
-    return kernels.panel_rows(weight.packed, ids.to(torch.int64), weight.n, weight.k, FORMATS[weight.format])
+    return kernel_ops.panel_rows(weight.packed, ids.to(torch.int64), weight.n, weight.k, FORMATS[weight.format])
 
 
 def panel_linear(x: Tensor, weight: PanelWeight) -> Tensor:
     """``x @ W.T`` for fp32 ``x [..., k]``; raises if the kernel cannot be built."""
     if x.shape[-1] != weight.k:
         raise ValueError(f"x has {x.shape[-1]} features but the weight expects {weight.k}")
-    gemm = kernels.int8_linear if weight.format in INT8_FORMATS else kernels.panel_linear
+    gemm = kernel_ops.int8_linear if weight.format in INT8_FORMATS else kernel_ops.panel_linear
     if x.dim() == 2:  # what every layer passes: no reshape and view around the call (~2 us each, 121 calls a step)
         return gemm(x, weight.packed, weight.n, weight.k, FORMATS[weight.format])
     y = gemm(x.reshape(-1, weight.k), weight.packed, weight.n, weight.k, FORMATS[weight.format])
@@ -172,5 +172,5 @@ def panel_linear_into(x: Tensor, weight: PanelWeight, y: Tensor, col: int) -> No
     even, runs one call per part into one output; each column gets the bits :func:`panel_linear` gives it."""
     if x.shape[-1] != weight.k:
         raise ValueError(f"x has {x.shape[-1]} features but the weight expects {weight.k}")
-    gemm = kernels.int8_linear_into if weight.format in INT8_FORMATS else kernels.panel_linear_into
+    gemm = kernel_ops.int8_linear_into if weight.format in INT8_FORMATS else kernel_ops.panel_linear_into
     gemm(x, weight.packed, weight.n, weight.k, FORMATS[weight.format], y, col)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pagedkv import kernels
+from pagedkv import kernel_ops
 from pagedkv.model.rope_scaling import rope_frequencies
 
 
@@ -80,7 +80,7 @@ def rotate_heads(qk: Tensor, cos: Tensor, sin_signed: Tensor, rotary_dim: int, c
     them in place (a strided view of each head works). Returns the rotated heads."""
     rotated = qk if rotary_dim == qk.shape[-1] else qk[..., :rotary_dim]
     if compiled and rotated.stride(-1) == 1:
-        kernels.rope_(rotated, cos, sin_signed)
+        kernel_ops.rope_(rotated, cos, sin_signed)
         return qk
     if rotated is qk:
         return apply_rope(qk, cos, sin_signed)

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from pagedkv import kernels
+from pagedkv import kernel_ops, kernels
 from pagedkv.attention.backend import ENV_VAR, select_backend
 from pagedkv.attention.paged import KernelAttention, TorchAttention
 from pagedkv.config import EngineConfig
@@ -108,7 +108,7 @@ def naive(step: Step) -> torch.Tensor:
 def kernel(step: Step) -> torch.Tensor:
     """The raw op on ``step``, no K/V write."""
     meta = KernelAttention().build_metadata(step.tables, step.query_lens, step.seq_lens, step.block_size)
-    return kernels.paged_attention(
+    return kernel_ops.paged_attention(
         step.q, step.k_pool, step.v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc, step.scale
     )
 
@@ -225,7 +225,7 @@ def test_engine_backend_is_the_kernel_bit_for_bit(built):
 
 @needs_kernel
 def test_compiled_kv_write_is_the_index_copy_one(built):
-    """kernels.write_kv (both pools, one call) writes what ops.write_kv's index_copy_ writes, row for row: with
+    """kernel_ops.write_kv (both pools, one call) writes what ops.write_kv's index_copy_ writes, row for row: with
     strided rows (views into a fused qkv output, as the layers pass them) and -1 slots skipped; a slot outside
     the pool is a ValueError naming it, and then nothing at all is written."""
     g = torch.Generator().manual_seed(7)
@@ -237,15 +237,15 @@ def test_compiled_kv_write_is_the_index_copy_one(built):
     ops.write_kv(expected[0], slots, k)
     ops.write_kv(expected[1], slots, v)
     got = [p.clone() for p in pools]
-    kernels.write_kv(*got, slots, k, v)
+    kernel_ops.write_kv(*got, slots, k, v)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     for bad in (24, -2):
         untouched = [p.clone() for p in pools]
         with pytest.raises(ValueError, match=rf"slot_mapping\[4\] = {bad} is outside the pool's 24 slots"):
-            kernels.write_kv(*untouched, torch.tensor([0, 1, 2, 3, bad]), k, v)
+            kernel_ops.write_kv(*untouched, torch.tensor([0, 1, 2, 3, bad]), k, v)
         assert torch.equal(untouched[0], pools[0]) and torch.equal(untouched[1], pools[1])
     with pytest.raises(ValueError, match="k and v must be fp32"):
-        kernels.write_kv(*got, slots, k.transpose(1, 2), v)
+        kernel_ops.write_kv(*got, slots, k.transpose(1, 2), v)
 
 
 @needs_kernel
@@ -256,7 +256,7 @@ def test_bad_inputs_raise_value_errors(built):
     tables, lens, qsl = meta.block_tables, meta.seq_lens, meta.query_start_loc
 
     def call(q=q, k_pool=k_pool, v_pool=v_pool, tables=tables, lens=lens, qsl=qsl):
-        return kernels.paged_attention(q, k_pool, v_pool, tables, lens, qsl, 0.1)
+        return kernel_ops.paged_attention(q, k_pool, v_pool, tables, lens, qsl, 0.1)
 
     call()  # the unchanged inputs are fine
     with pytest.raises(ValueError, match="outside the pool"):

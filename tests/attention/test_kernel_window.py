@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkv import kernels
+from pagedkv import kernel_ops
 from pagedkv.attention.paged import KernelAttention, TorchAttention
 from pagedkv.kv import ops, reference
 from tests.attention.test_kernel import MIXED_STEP, PARTITION, Step, built, kernel  # noqa: F401 (built: a fixture)
@@ -41,7 +41,7 @@ def naive(step: Step, window: int) -> torch.Tensor:
 
 def windowed_kernel(step: Step, window: int) -> torch.Tensor:
     meta = KernelAttention().build_metadata(step.tables, step.query_lens, step.seq_lens, step.block_size)
-    return kernels.paged_attention(
+    return kernel_ops.paged_attention(
         step.q, step.k_pool, step.v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc, step.scale, window
     )
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkv import LLM, SamplingParams, kernels
+from pagedkv import LLM, SamplingParams, kernel_ops, kernels
 from pagedkv.attention.paged import KernelAttention, TorchAttention
 from pagedkv.config import EngineConfig
 from pagedkv.kv import ops
@@ -91,7 +91,7 @@ def _written_by_torch_rounding(pool: torch.Tensor, slots: torch.Tensor, rows: to
 def test_compiled_write_rounds_as_torch_does():
     (k_pool, v_pool), k, v, slots = _rows_and_pools(torch.float16)
     expected = _written_by_torch_rounding(k_pool, slots, k), _written_by_torch_rounding(v_pool, slots, v)
-    kernels.write_kv(k_pool, v_pool, slots, k, v)  # strided rows, as the layers pass them
+    kernel_ops.write_kv(k_pool, v_pool, slots, k, v)  # strided rows, as the layers pass them
     assert torch.equal(k_pool, expected[0]) and torch.equal(v_pool, expected[1])
 
 
@@ -111,12 +111,12 @@ def test_pools_of_other_or_mixed_dtypes_are_refused():
     meta = KernelAttention().build_metadata(step.tables, step.query_lens, step.seq_lens, step.block_size)
     args = (meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.1)
     with pytest.raises(ValueError, match="both float32 or both float16"):
-        kernels.paged_attention(step.q, step.k_pool.half(), step.v_pool, *args)
+        kernel_ops.paged_attention(step.q, step.k_pool.half(), step.v_pool, *args)
     with pytest.raises(ValueError, match="both float32 or both float16"):
-        kernels.paged_attention(step.q, step.k_pool.bfloat16(), step.v_pool.bfloat16(), *args)
+        kernel_ops.paged_attention(step.q, step.k_pool.bfloat16(), step.v_pool.bfloat16(), *args)
     k = step.q[:, :2].contiguous()
     with pytest.raises(ValueError, match="fp32 or fp16"):
-        kernels.write_kv(step.k_pool.bfloat16(), step.v_pool.bfloat16(), meta.slot_mapping[:4], k, k)
+        kernel_ops.write_kv(step.k_pool.bfloat16(), step.v_pool.bfloat16(), meta.slot_mapping[:4], k, k)
 
 
 def test_the_option_is_validated():

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedkv import kernels
+from pagedkv import kernel_ops, kernels
 from pagedkv.model.layers import RMSNorm
 from pagedkv.model.rope import apply_rope
 
@@ -17,9 +17,9 @@ pytestmark = pytest.mark.skipif(not kernels.portable.available(), reason="the co
 @pytest.mark.parametrize(("rows", "size"), [(1, 576), (9, 576), (100, 576), (3, 37), (0, 64)])
 def test_matches_torch(rows: int, size: int) -> None:
     x, delta, weight = torch.randn(rows, size) * 3, torch.randn(rows, size), torch.rand(size) + 0.5
-    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-5), F.rms_norm(x, (size,), weight, 1e-5))
+    torch.testing.assert_close(kernel_ops.rms_norm(x, weight, 1e-5), F.rms_norm(x, (size,), weight, 1e-5))
     residual = x.clone()
-    out = kernels.rms_norm(delta, weight, 1e-5, residual)
+    out = kernel_ops.rms_norm(delta, weight, 1e-5, residual)
     torch.testing.assert_close(residual, x + delta, rtol=0, atol=0)  # the sum lands in the residual exactly
     torch.testing.assert_close(out, F.rms_norm(x + delta, (size,), weight, 1e-5))
 
@@ -38,9 +38,9 @@ def test_module_fused_and_fallback_paths_agree() -> None:
 
 def test_bad_inputs_are_refused() -> None:
     with pytest.raises(RuntimeError, match="weight"):
-        kernels.rms_norm(torch.randn(2, 8), torch.ones(7), 1e-6)
+        kernel_ops.rms_norm(torch.randn(2, 8), torch.ones(7), 1e-6)
     with pytest.raises(RuntimeError, match="residual"):
-        kernels.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-6, torch.randn(3, 8))
+        kernel_ops.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-6, torch.randn(3, 8))
 
 
 @pytest.mark.parametrize("rows", [1, 9, 300, 0])
@@ -49,11 +49,11 @@ def test_silu_mul_matches_torch(rows: int) -> None:
     if rows:  # the exp clamp: far outside it silu is x or 0, and must stay finite
         gate_up[0, :6] = torch.tensor([-1e4, 1e4, 0.0, -88.5, 88.5, -20.0])
     expected = F.silu(gate_up[:, :1536]) * gate_up[:, 1536:]
-    got = kernels.silu_mul(gate_up)
+    got = kernel_ops.silu_mul(gate_up)
     assert got.shape == (rows, 1536) and torch.isfinite(got).all()
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5)
     with pytest.raises(RuntimeError, match="gate_up"):
-        kernels.silu_mul(torch.randn(3, 5))
+        kernel_ops.silu_mul(torch.randn(3, 5))
 
 
 @pytest.mark.parametrize(("tokens", "dim"), [(1, 64), (7, 64), (40, 128), (3, 6)])
@@ -62,9 +62,9 @@ def test_rope_in_place_on_a_strided_view(tokens: int, dim: int) -> None:
     cos, sin = torch.randn(tokens, 1, dim), torch.randn(tokens, 1, dim)
     expected = apply_rope(qkv[:, :12], cos, sin)
     work = qkv.clone()
-    out = kernels.rope_(work[:, :12], cos, sin)  # q|k heads of a fused qkv row: not contiguous
+    out = kernel_ops.rope_(work[:, :12], cos, sin)  # q|k heads of a fused qkv row: not contiguous
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(work[:, :12], expected, rtol=1e-6, atol=1e-6)  # in place
     assert torch.equal(work[:, 12:], qkv[:, 12:])  # v heads untouched
     with pytest.raises(RuntimeError, match="cos"):
-        kernels.rope_(work[:, :12], torch.randn(tokens + 1, 1, dim), sin)
+        kernel_ops.rope_(work[:, :12], torch.randn(tokens + 1, 1, dim), sin)

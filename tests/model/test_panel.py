@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkv import LLM, SamplingParams, kernels
+from pagedkv import LLM, SamplingParams, kernel_ops, kernels
 from pagedkv.extension import cpu_flags
 from pagedkv.model import gguf_blocks, panel
 from tests.model.test_gguf_blocks import random_blocks, reference
@@ -475,4 +475,4 @@ def test_without_avx2_only_the_gemm_is_lost(monkeypatch, tmp_path, caplog) -> No
         assert kernels.use_kernels(True) is True
     assert any("panel GEMM ops (AVX2 + FMA) could not be built" in r.getMessage() for r in caplog.records)
     x = torch.randn(3, 64)
-    torch.testing.assert_close(kernels.silu_mul(x), torch.nn.functional.silu(x[:, :32]) * x[:, 32:])
+    torch.testing.assert_close(kernel_ops.silu_mul(x), torch.nn.functional.silu(x[:, :32]) * x[:, 32:])

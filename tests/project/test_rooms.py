@@ -26,7 +26,7 @@ ROOMS: list[tuple[str, set[str]]] = [
     ("config", {"config"}),
     ("sampling", {"structured", "sampling_params", "sampler"}),
     ("kv", {"kv", "kv_map"}),
-    ("kernels", {"kernels"}),  # the compiled ops check pools against kv's layout and dtypes
+    ("kernels", {"kernels", "kernel_ops"}),  # the compiled ops check pools against kv's layout and dtypes
     ("attention", {"attention"}),
     ("parallel", {"parallel"}),
     ("model", {"model"}),
