@@ -1,22 +1,20 @@
 """The disk tier's directory: where block files live, and the LRU size limit, shared by processes.
 
-The tier keeps everything in a subdirectory of its own, ``<kv_cache_dir>/pagedkv-kv-blocks/``, and writes or
-deletes there only: the user's directory may hold anything (a model's ``*.safetensors``, symlinks), and none
-of it is the tier's. There a block file is named ``<64 hex digits>.safetensors``, a temporary one
-``.tmp-<16 hex digits>``; nothing else is ever deleted, and only if it is a regular file. Every file is
-reached through a descriptor of that subdirectory, opened once without following symlinks, so a name
-swapped for a symlink later leads nowhere else; and only a regular file is ever opened, without blocking
-(``pagedkv.kv.disk_files.read_regular_file``). Block files of the old layout, at the top of
-``kv_cache_dir``, are neither used nor deleted: one warning says so.
+The tier writes or deletes only in its own subdirectory of ``kv_cache_dir`` (checked and made by
+:func:`pagedkv.kv.cache_dir.prepare_directory`): the user's directory may hold anything, and none of it is the
+tier's. There a block file is named ``<64 hex digits>.safetensors``, a temporary one ``.tmp-<16 hex digits>``;
+nothing else is ever deleted, and only if it is a regular file. Every file is reached through a descriptor of
+that subdirectory, opened once without following symlinks, so a name swapped for a symlink later leads nowhere
+else; and only a regular file is ever opened, without blocking (``pagedkv.kv.disk_files.read_regular_file``).
+Block files of the old layout, at the top of ``kv_cache_dir``, are neither used nor deleted: one warning says so.
 
 :class:`BlockDirectory` puts files in place atomically (a temporary file, then ``os.replace``: a reader sees
 a whole file or none) and keeps the files' total under ``max_bytes``, making room before each rename by
 deleting the least recently used files first (a file's mtime is its last use). Processes sharing the
 directory serialize that bookkeeping on an ``flock``; the running total lives in the lock file and is
 recounted from the directory every ``RESCAN_EVERY`` writes, or at once if what the lock file holds is not a
-plausible total. A lock file that is not a regular file of this user's, with one link, is refused
-(:class:`UntrustedFile`): no write happens without the size limit. No fsync: a crash may leave a torn file,
-which the checksum catches. :func:`prepare_directory` checks ``kv_cache_dir`` before the model loads.
+plausible total. A lock file the tier cannot trust is refused (:class:`UntrustedFile`): no write happens
+without the size limit. No fsync: a crash may leave a torn file, which the checksum catches.
 """
 
 from __future__ import annotations
@@ -33,23 +31,18 @@ import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
+from pagedkv.kv.cache_dir import BLOCKS_DIR, LOCK_FILE, UntrustedFile, check_lock, prepare_directory
 from pagedkv.kv.disk_files import file_kind, read_regular_file
 
 logger = logging.getLogger(__name__)
 
-BLOCKS_DIR = "pagedkv-kv-blocks"  # the tier's own subdirectory of kv_cache_dir: it writes nowhere else
 SUFFIX = ".safetensors"
 BLOCK_NAME = re.compile(r"[0-9a-f]{64}\.safetensors")
 TMP_PREFIX = ".tmp-"
 TMP_NAME = re.compile(r"\.tmp-[0-9a-f]{16}")
-LOCK_FILE = ".lock"
 STALE_TMP_S = 3600  # a temporary file this old was left by a killed writer
 RESCAN_EVERY = 64  # writes between recounts of the directory (other processes, deleted files, crashes)
 LOW_WATER = 0.9  # eviction frees down to this share of max_bytes, so it runs once per many writes
-
-
-class UntrustedFile(PermissionError):
-    """A file or directory the tier refuses to use; the message names it and says what to change."""
 
 
 class BlockDirectory:
@@ -179,11 +172,11 @@ class BlockDirectory:
         """The directory's bookkeeping lock, shared with other processes (released if the holder dies)."""
         path = self.directory / LOCK_FILE
         with contextlib.suppress(FileNotFoundError):
-            _check_lock(os.stat(LOCK_FILE, dir_fd=self._fd, follow_symlinks=False), path)
+            check_lock(os.stat(LOCK_FILE, dir_fd=self._fd, follow_symlinks=False), path)
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         fd = os.open(LOCK_FILE, flags, 0o600, dir_fd=self._fd)
         try:
-            _check_lock(os.fstat(fd), path)
+            check_lock(os.fstat(fd), path)
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield fd
         finally:
@@ -224,86 +217,6 @@ class BlockDirectory:
                         info = entry.stat(follow_symlinks=False)
                         if stat.S_ISREG(info.st_mode) and now - info.st_mtime > STALE_TMP_S:
                             os.unlink(entry.name, dir_fd=self._fd)
-
-
-def prepare_directory(root: str | Path) -> Path:
-    """Check ``root`` (``kv_cache_dir``) and make the tier's own subdirectory in it; that one, resolved.
-
-    The engine calls this before it loads the model, so a refused directory fails start-up in a moment, not
-    after minutes of loading. Whoever can write these directories decides what the model answers: each
-    must be a real directory of this user's that others cannot write; a lock file there must be trusted.
-    Every refusal names the path and what to change.
-    """
-    root = Path(root).expanduser()
-    _make_directory(root, parents=True)
-    if not root.is_dir():
-        raise NotADirectoryError(
-            f"kv_cache_dir {root} is not a directory: point --kv-cache-dir (kv_cache_dir) at a directory, or "
-            "at a path that does not exist yet (it is then created)"
-        )
-    root = root.resolve()
-    _check_owner(root)
-    own = root / BLOCKS_DIR
-    _make_directory(own, parents=False)
-    info = os.stat(own, follow_symlinks=False)
-    if not stat.S_ISDIR(info.st_mode):
-        raise UntrustedFile(
-            f"kv_cache_dir: {own} is {file_kind(info.st_mode)}, not a directory: the disk tier keeps its files in a "
-            "directory of its own there. Remove it, or choose another kv_cache_dir"
-        )
-    _check_owner(own)
-    if not os.access(own, os.R_OK | os.W_OK | os.X_OK):
-        raise PermissionError(f"kv_cache_dir {own} is not writable by this user: `chmod u+rwx {own}`")
-    with contextlib.suppress(FileNotFoundError):
-        _check_lock(os.stat(own / LOCK_FILE, follow_symlinks=False), own / LOCK_FILE)
-    return own
-
-
-def _make_directory(path: Path, parents: bool) -> None:
-    """``mkdir`` (mode 0o700) unless something is there already; PermissionError saying what to change."""
-    try:
-        path.mkdir(mode=0o700, parents=parents, exist_ok=True)
-    except FileExistsError:
-        return  # a file or a dangling symlink: the checks that follow name it
-    except PermissionError as exc:
-        raise PermissionError(
-            f"kv_cache_dir: cannot create {path} ({exc.strerror}): make its parent writable by this user, or "
-            "choose another kv_cache_dir"
-        ) from exc
-
-
-def _check_owner(directory: Path) -> None:
-    """Refuse a directory of another user's, or one other users can write."""
-    info = directory.stat()
-    if info.st_uid != os.geteuid():
-        raise UntrustedFile(
-            f"kv_cache_dir {directory} belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()}): "
-            "whoever owns it decides what the model answers. Use a directory of your own"
-        )
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise UntrustedFile(
-            f"kv_cache_dir {directory} is writable by other users: whoever can write it decides what the model "
-            f"answers. Use a directory of your own, or `chmod go-w {directory}`"
-        )
-
-
-def _check_lock(info: os.stat_result, path: Path) -> None:
-    """Refuse a lock file the tier cannot trust to keep the size total: it holds the bookkeeping of every
-    process on the directory, and the tier truncates and rewrites it."""
-    problem = None
-    if not stat.S_ISREG(info.st_mode):
-        problem = file_kind(info.st_mode)
-    elif info.st_uid != os.geteuid():
-        problem = f"owned by uid {info.st_uid}, not this user"
-    elif info.st_nlink != 1:
-        problem = f"a file with {info.st_nlink} names (hard links)"
-    elif info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        problem = "writable by other users"
-    if problem is not None:
-        raise UntrustedFile(
-            f"kv_cache_dir: the disk tier's lock file {path} is {problem}: it cannot be trusted to keep the size "
-            "limit, so the tier refuses it. Delete it (the tier makes a new one)"
-        )
 
 
 def _warn_of_old_layout(root: Path) -> None:
