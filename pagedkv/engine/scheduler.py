@@ -117,7 +117,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted = 0
         i = 0
-        draft_len = self._draft_length()
+        draft_len = speculative.draft_length(self.running, self.num_speculative_tokens)
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = request.num_tokens - request.num_computed_tokens
@@ -127,7 +127,8 @@ class Scheduler:
                 if num_new == 0:  # this step's prefill budget is spent: its prompt goes on next step
                     i += 1
                     continue
-            drafts = self._drafts(request, min(draft_len, budget - 1)) if not prefilling and draft_len else []
+            limit = 0 if prefilling else min(draft_len, budget - 1)
+            drafts = speculative.drafts_for(request, limit, self.max_model_len)
             if drafts and not self._allocate(request, request.num_tokens + len(drafts)):
                 drafts = []  # a guess never preempts anyone
             while not self._allocate(request, request.num_computed_tokens + num_new):
@@ -164,33 +165,6 @@ class Scheduler:
             request.event_token_ids,
         )
 
-    def _draft_length(self) -> int:
-        """Drafts per decoding request this step: all of ``num_speculative_tokens`` while the step's decode
-        rows stay within ``speculative.MAX_ROWS``, fewer as the batch grows, none for a large batch."""
-        if not self.num_speculative_tokens:
-            return 0
-        decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
-        return max(0, min(self.num_speculative_tokens, speculative.MAX_ROWS // max(decoding, 1) - 1))
-
-    def _drafts(self, request: Request, limit: int) -> list[int]:
-        """Drafts for a decoding request: within ``limit``, its max_tokens (the model's own token after the
-        drafts comes too) and the model's context length.
-
-        Drafts are checked by greedy choice, so only plain greedy requests take them: sampling, penalties,
-        logprobs and a pending ``min_tokens`` change what the next token would be or what must be reported
-        for it; those requests decode one token a step.
-        """
-        if limit < 1 or not request.params.is_plain_greedy(request.num_output_tokens):
-            return []
-        max_tokens = request.params.max_tokens
-        if max_tokens is not None:
-            limit = min(limit, max_tokens - request.num_output_tokens - 1)
-        limit = min(limit, self.max_model_len - request.num_tokens - 1)
-        drafts = speculative.propose(request.token_ids, limit)
-        if drafts and request.grammar is not None:  # a draft the grammar refuses could never be accepted
-            drafts = drafts[: request.grammar.validate_tokens(drafts)]
-        return drafts
-
     def _admit_waiting(self, budget: int, prefill: PrefillBudget, scheduled: list[ScheduledRequest]) -> None:
         """Admit waiting requests while blocks, prompt budget and seats last, fairly between requests.
 
@@ -225,35 +199,47 @@ class Scheduler:
             if scorer is not None and not (scorer.prompt_scored or scorer.is_finished):
                 held_back.add(group)
                 continue  # its prompt's logprobs come first (see Request.scorer)
-            self.kv.load_from_disk(request.block_keys, request.num_tokens, request.event_token_ids)  # kv_cache_dir
-            # Scoring the prompt or pooling every row needs every position: its prefill starts at 0 over the
-            # cached blocks (their K/V is read, not written again), as much work as a cold run and never more.
-            from_start = request.scores_prompt or needs_every_row(request.params.pooling)
-            hit = self.kv.find_cached_prefix(request.block_keys, request.num_tokens, from_start)
-            first_new_block = len(hit.block_ids)
-            if first_new_block < len(request.block_keys) and request.block_keys[first_new_block] in in_flight:
-                if request.waited_for_block is None:
-                    request.waited_for_block = first_new_block
+            found = self._cached_prefix(request, in_flight)
+            if found is None:  # its next block is being computed: a hit next step
                 held_back.add(group)
                 continue
-            start = 0 if from_start else hit.num_tokens
+            hit, start = found
             num_new = min(request.num_tokens - start, budget, prefill.chunk(request, start))
             if num_new == 0 or not self._allocate(request, max(hit.num_tokens, start + num_new), prefix=hit):
                 break
-            if request.num_cached_tokens is None:
-                request.num_cached_tokens = hit.num_tokens
-                request.cache_miss_reason = self.kv.miss_reason(request.block_keys, hit, request.waited_for_block)
-            request.num_hit_tokens = hit.num_tokens
-            request.num_computed_tokens = start
-            self.running.append(request)
+            self._start(request, hit, start)
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
             prefill.spend(request, start, num_new)
             seats[group] += 1
             admitted.add(request.request_id)
-            in_flight.update(request.block_keys[first_new_block : request.num_prompt_tokens // self.kv.block_size])
+            in_flight.update(request.block_keys[len(hit.block_ids) : request.num_prompt_tokens // self.kv.block_size])
         if admitted:
             self.waiting = deque(r for r in self.waiting if r.request_id not in admitted)
+
+    def _cached_prefix(self, request: Request, in_flight: set[BlockKey]) -> tuple[PrefixHit, int] | None:
+        """The request's cached prefix and the position its prefill starts at; None while its first uncached
+        block is in ``in_flight`` (being computed by a running request), which ``waited_for_block`` records."""
+        self.kv.load_from_disk(request.block_keys, request.num_tokens, request.event_token_ids)  # kv_cache_dir
+        # Scoring the prompt or pooling every row needs every position: its prefill starts at 0 over the
+        # cached blocks (their K/V is read, not written again), as much work as a cold run and never more.
+        from_start = request.scores_prompt or needs_every_row(request.params.pooling)
+        hit = self.kv.find_cached_prefix(request.block_keys, request.num_tokens, from_start)
+        first_new_block = len(hit.block_ids)
+        if first_new_block < len(request.block_keys) and request.block_keys[first_new_block] in in_flight:
+            if request.waited_for_block is None:
+                request.waited_for_block = first_new_block
+            return None
+        return hit, 0 if from_start else hit.num_tokens
+
+    def _start(self, request: Request, hit: PrefixHit, start: int) -> None:
+        """Move an admitted request to running, its prefix counted (the first admission's, for the report)."""
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = hit.num_tokens
+            request.cache_miss_reason = self.kv.miss_reason(request.block_keys, hit, request.waited_for_block)
+        request.num_hit_tokens = hit.num_tokens
+        request.num_computed_tokens = start
+        self.running.append(request)
 
     def _in_flight_keys(self) -> set[BlockKey]:
         """Keys of prompt blocks that running requests have yet to compute."""

@@ -14,11 +14,46 @@ Hence drafts are made only while the step stays small (``MAX_ROWS``), shortest f
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from pagedkv.engine.request import Request
 
 MAX_NGRAM = 4  # longest history suffix looked up
 MIN_NGRAM = 2  # a single repeated token ("the", ",") predicts too little to pay for its rows
 MAX_ROWS = 48  # decode rows (last tokens + drafts) per step up to which drafting paid off on 2 AVX2 cores
+
+
+def draft_length(running: Sequence[Request], num_speculative_tokens: int) -> int:
+    """Drafts per decoding request this step: all of ``num_speculative_tokens`` while the step's decode
+    rows stay within ``MAX_ROWS``, fewer as the batch grows, none for a large batch."""
+    if not num_speculative_tokens:
+        return 0
+    decoding = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
+    return max(0, min(num_speculative_tokens, MAX_ROWS // max(decoding, 1) - 1))
+
+
+def drafts_for(request: Request, limit: int, max_model_len: int) -> list[int]:
+    """Drafts for a decoding request: within ``limit``, its max_tokens (the model's own token after the
+    drafts comes too) and the model's context length.
+
+    Drafts are checked by greedy choice, so only plain greedy requests take them: sampling, penalties,
+    logprobs and a pending ``min_tokens`` change what the next token would be or what must be reported
+    for it; those requests decode one token a step.
+    """
+    if limit < 1 or not request.params.is_plain_greedy(request.num_output_tokens):
+        return []
+    max_tokens = request.params.max_tokens
+    if max_tokens is not None:
+        limit = min(limit, max_tokens - request.num_output_tokens - 1)
+    limit = min(limit, max_model_len - request.num_tokens - 1)
+    drafts = propose(request.token_ids, limit)
+    if drafts and request.grammar is not None:  # a draft the grammar refuses could never be accepted
+        drafts = drafts[: request.grammar.validate_tokens(drafts)]
+    return drafts
 
 
 def propose(token_ids: list[int], num_tokens: int) -> list[int]:
