@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedkv.engine import speculative
-from pagedkv.engine.admission import SCORED_ROW_COST, FairShare, PrefillBudget  # noqa: F401 - re-exported
+from pagedkv.engine.admission import FairShare, PrefillBudget
 from pagedkv.engine.pooling import keep, needs_every_row, pool
 from pagedkv.engine.request import CoreOutput, PromptLogprob, Request
 from pagedkv.kv.hashing import BlockKey

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from collections import Counter
 
+from pagedkv.engine.admission import SCORED_ROW_COST
 from pagedkv.engine.request import Request
-from pagedkv.engine.scheduler import SCORED_ROW_COST, Scheduler
+from pagedkv.engine.scheduler import Scheduler
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.sampler import SamplerOutput
 from pagedkv.sampling_params import SamplingParams
