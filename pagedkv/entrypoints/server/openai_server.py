@@ -37,12 +37,12 @@ from pagedkv.engine.metrics import ServerMetrics
 from pagedkv.entrypoints.server.connections import ConnectionLimits, fit_fd_limit, uvicorn_options
 from pagedkv.entrypoints.server.kv_page import KV_PATHS, KVAuthRequired, add_kv_routes, basic_auth_matches
 from pagedkv.entrypoints.server.limits import ServerLimits
-from pagedkv.entrypoints.server.ollama_api import add_ollama_routes
-from pagedkv.entrypoints.server.ollama_protocol import is_ollama_path, ollama_error_body
+from pagedkv.entrypoints.server.ollama.api import add_ollama_routes
+from pagedkv.entrypoints.server.ollama.protocol import is_ollama_path, ollama_error_body
 from pagedkv.entrypoints.server.openai_objects import ModelCard, ModelList
 from pagedkv.entrypoints.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, echoed
-from pagedkv.entrypoints.server.responses_api import ResponsesAPI, add_responses_routes
-from pagedkv.entrypoints.server.responses_api_store import ResponseStore
+from pagedkv.entrypoints.server.responses.api import ResponsesAPI, add_responses_routes
+from pagedkv.entrypoints.server.responses.store import ResponseStore
 from pagedkv.entrypoints.server.serving import ServingContext
 from pagedkv.entrypoints.server.serving_chat import create_chat_completion
 from pagedkv.entrypoints.server.serving_completions import create_completion

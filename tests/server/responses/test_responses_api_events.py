@@ -16,11 +16,11 @@ from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from pagedkv.engine.core_thread import RequestFailed
-from pagedkv.entrypoints.server.responses_api import ResponsesAPI, Turn
-from pagedkv.entrypoints.server.responses_api_objects import ResponseObject
-from pagedkv.entrypoints.server.responses_api_protocol import ResponsesRequest
-from pagedkv.entrypoints.server.responses_api_store import ResponseStore
-from pagedkv.entrypoints.server.responses_api_stream import response_events
+from pagedkv.entrypoints.server.responses.api import ResponsesAPI, Turn
+from pagedkv.entrypoints.server.responses.objects import ResponseObject
+from pagedkv.entrypoints.server.responses.protocol import ResponsesRequest
+from pagedkv.entrypoints.server.responses.store import ResponseStore
+from pagedkv.entrypoints.server.responses.stream import response_events
 from pagedkv.entrypoints.server.tool_calls import plan_tools
 
 EVENTS = TypeAdapter(ResponseStreamEvent)

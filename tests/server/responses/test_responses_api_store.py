@@ -10,8 +10,8 @@ import json
 import pytest
 
 from pagedkv.entrypoints.server.protocol import APIError
-from pagedkv.entrypoints.server.responses_api_protocol import ResponsesRequest
-from pagedkv.entrypoints.server.responses_api_store import ResponseStore
+from pagedkv.entrypoints.server.responses.protocol import ResponsesRequest
+from pagedkv.entrypoints.server.responses.store import ResponseStore
 
 ALICE, BOB = "a" * 64, "b" * 64
 

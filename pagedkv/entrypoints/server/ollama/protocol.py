@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from pagedkv.engine.prompts import EnginePrompt
-from pagedkv.entrypoints.server.ollama_tools import chat_message
+from pagedkv.entrypoints.server.ollama.tools import chat_message
 from pagedkv.entrypoints.server.protocol import MAX_ECHOED_CHARS, APIError, ChatMessage, echoed, sampling_params
 from pagedkv.entrypoints.server.tool_calls import ToolPlan, chat_prompt, plan_tools
 from pagedkv.sampling_params import SamplingParams

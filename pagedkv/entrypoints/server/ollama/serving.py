@@ -21,8 +21,8 @@ from starlette.responses import JSONResponse, Response
 
 from pagedkv.engine.async_client import EngineStopped, RequestFailed, RequestStream
 from pagedkv.engine.request import CompletionOutput, RequestOutput
-from pagedkv.entrypoints.server.ollama_protocol import OllamaChatRequest, OllamaGenerateRequest
-from pagedkv.entrypoints.server.ollama_tools import ollama_tool_calls
+from pagedkv.entrypoints.server.ollama.protocol import OllamaChatRequest, OllamaGenerateRequest
+from pagedkv.entrypoints.server.ollama.tools import ollama_tool_calls
 from pagedkv.entrypoints.server.protocol import APIError, echoed
 from pagedkv.entrypoints.server.serving import EventStreamResponse, ServingContext, chat_logprobs, collect, engine_error
 from pagedkv.entrypoints.server.tool_calls import ToolPlan

@@ -18,8 +18,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from pagedkv.engine.prompts import EnginePrompt
-from pagedkv.entrypoints.server.ollama_protocol import refuse_unknown
-from pagedkv.entrypoints.server.ollama_serving import check_model
+from pagedkv.entrypoints.server.ollama.protocol import refuse_unknown
+from pagedkv.entrypoints.server.ollama.serving import check_model
 from pagedkv.entrypoints.server.protocol import APIError
 from pagedkv.entrypoints.server.serving import ServingContext
 from pagedkv.entrypoints.server.serving_embeddings import embed

@@ -2,12 +2,12 @@
 
 The routes live on the same app as /v1/*, so every one passes the same ``RequestGate`` (Host check, API key
 as ``Authorization: Bearer``, body size) and ``BodyParser`` (value, depth and list bounds) before any work,
-and generation shares the queue limit, the fair seats and disconnect handling (``ollama_serving``).
+and generation shares the queue limit, the fair seats and disconnect handling (``ollama.serving``).
 
 pagedkv serves one model, loaded at start-up and kept until the server stops: /api/tags and /api/ps list
 it, ``keep_alive`` changes nothing, and the routes that manage models (pull, create, copy, delete, push)
 are answered with a 404 that lists the routes this server has. /api/embed and /api/embeddings embed with the
-engine's pooling (``ollama_embed``).
+engine's pooling (``ollama.embed``).
 """
 
 from __future__ import annotations
@@ -24,19 +24,19 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pagedkv.entrypoints.server.ollama_embed import (
+from pagedkv.entrypoints.server.ollama.embed import (
     OllamaEmbeddingsRequest,
     OllamaEmbedRequest,
     ollama_embed,
     ollama_embeddings,
 )
-from pagedkv.entrypoints.server.ollama_protocol import (
+from pagedkv.entrypoints.server.ollama.protocol import (
     OLLAMA_DEFAULTS,
     OllamaChatRequest,
     OllamaGenerateRequest,
     OllamaShowRequest,
 )
-from pagedkv.entrypoints.server.ollama_serving import check_model, create_ollama_response
+from pagedkv.entrypoints.server.ollama.serving import check_model, create_ollama_response
 from pagedkv.entrypoints.server.protocol import APIError
 from pagedkv.entrypoints.server.serving import ServingContext
 from pagedkv.model.gguf_file import GGUFFile, split_files

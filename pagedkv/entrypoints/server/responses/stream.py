@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from pagedkv.engine.async_client import EngineStopped, RequestFailed
 from pagedkv.engine.request_stream import RequestStream
 from pagedkv.entrypoints.server.reasoning import ReasoningSplitter, Split
-from pagedkv.entrypoints.server.responses_api_objects import (
+from pagedkv.entrypoints.server.responses.objects import (
     EventCounter,
     FunctionCallItem,
     OutputItem,
@@ -35,7 +35,7 @@ from pagedkv.entrypoints.server.responses_api_objects import (
 from pagedkv.entrypoints.server.serving import EventStreamResponse, engine_error
 
 if TYPE_CHECKING:
-    from pagedkv.entrypoints.server.responses_api import Turn
+    from pagedkv.entrypoints.server.responses.api import Turn
 
 Event = dict[str, Any]
 

@@ -1,12 +1,12 @@
 """``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``: OpenAI's Responses API.
 
 A response runs exactly as a chat completion does: the request becomes chat messages
-(``responses_api_protocol``), tools go through the chat route's planning and parsing (``tool_calls``), and
+(``responses.protocol``), tools go through the chat route's planning and parsing (``tool_calls``), and
 the prompt through the same ``ServingContext.start`` -- so every bound holds as on the chat route (body and
 value limits, the queue limit, API key and Host check in front of every route, abort on disconnect) and the
 greedy answer is the chat route's answer to the same conversation. What is added: the answer as output items
-(a message, or function calls), usage in the Responses shape, typed stream events (``responses_api_stream``)
-and a bounded store of finished responses for ``previous_response_id`` (``responses_api_store``).
+(a message, or function calls), usage in the Responses shape, typed stream events (``responses.stream``)
+and a bounded store of finished responses for ``previous_response_id`` (``responses.store``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pagedkv.engine.request_stream import RequestStream
 from pagedkv.entrypoints.server.openai_objects import ToolCallResponse
 from pagedkv.entrypoints.server.protocol import APIError, ChatMessage, echoed
 from pagedkv.entrypoints.server.reasoning import Split, for_the_answer, split_reasoning
-from pagedkv.entrypoints.server.responses_api_objects import (
+from pagedkv.entrypoints.server.responses.objects import (
     FunctionCallItem,
     IncompleteDetails,
     OutputItem,
@@ -34,9 +34,9 @@ from pagedkv.entrypoints.server.responses_api_objects import (
     ResponseObject,
     response_usage,
 )
-from pagedkv.entrypoints.server.responses_api_protocol import ResponsesRequest
-from pagedkv.entrypoints.server.responses_api_store import ResponseStore, owner_of
-from pagedkv.entrypoints.server.responses_api_stream import TypedEventStream, response_events
+from pagedkv.entrypoints.server.responses.protocol import ResponsesRequest
+from pagedkv.entrypoints.server.responses.store import ResponseStore, owner_of
+from pagedkv.entrypoints.server.responses.stream import TypedEventStream, response_events
 from pagedkv.entrypoints.server.serving import ServingContext, collect
 from pagedkv.entrypoints.server.tool_calls import ToolPlan, chat_prompt, plan_tools
 
