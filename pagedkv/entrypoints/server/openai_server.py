@@ -9,44 +9,38 @@ an error event and ``[DONE]``), stops the engine thread, lets uvicorn close the 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import hmac
 import ipaddress
-import json
 import logging
 import signal
 import socket
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.requests import Request
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedkv.engine.async_client import AsyncEngine
 from pagedkv.engine.grammar_pool import GrammarPool
 from pagedkv.engine.metrics import ServerMetrics
+from pagedkv.entrypoints.server.bodies import BodyParser
 from pagedkv.entrypoints.server.connections import ConnectionLimits, fit_fd_limit, uvicorn_options
 from pagedkv.entrypoints.server.kv_page import KV_PATHS, KVAuthRequired, add_kv_routes, basic_auth_matches
 from pagedkv.entrypoints.server.limits import ServerLimits
 from pagedkv.entrypoints.server.ollama.api import add_ollama_routes
 from pagedkv.entrypoints.server.ollama.protocol import is_ollama_path, ollama_error_body
-from pagedkv.entrypoints.server.openai_objects import ModelCard, ModelList
-from pagedkv.entrypoints.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, echoed
-from pagedkv.entrypoints.server.responses.api import ResponsesAPI, add_responses_routes
-from pagedkv.entrypoints.server.responses.store import ResponseStore
+from pagedkv.entrypoints.server.openai_routes import add_openai_routes
+from pagedkv.entrypoints.server.protocol import APIError, echoed
+from pagedkv.entrypoints.server.responses.api import add_responses_routes
 from pagedkv.entrypoints.server.serving import ServingContext
-from pagedkv.entrypoints.server.serving_chat import create_chat_completion
-from pagedkv.entrypoints.server.serving_completions import create_completion
-from pagedkv.entrypoints.server.serving_embeddings import EmbeddingRequest, create_embedding
 from pagedkv.entrypoints.server.serving_tokenize import add_tokenize_routes
 from pagedkv.entrypoints.server.tool_calls import template_supports_tools
 
@@ -55,12 +49,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-BodyT = TypeVar("BodyT", bound=BaseModel)
-
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 GRACEFUL_SHUTDOWN_S = 5.0
-PARSE_ON_LOOP_BYTES = 64 * 1024  # bodies up to this size parse in well under a millisecond
-PARSE_WORKERS = 1  # large bodies parsed at once: see BodyParser
 
 
 def error_response(error: APIError, path: str = "") -> JSONResponse:
@@ -182,45 +172,6 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     app.add_exception_handler(Exception, on_unexpected)
 
 
-class BodyParser:
-    """Request bodies, read on the event loop and parsed there if small, on a bounded worker pool if not.
-
-    Parsing and checking a 4 MiB body took ~1.5 s on a loaded machine, even for one that is then refused;
-    on the event loop, six clients sending such bodies cut another client's stream from 157 to 8 events a
-    minute (issue 25, row 2). Off the loop, the checks are Python code that gives the GIL back every few
-    milliseconds, so stream delivery goes on meanwhile; ``json.loads`` and pydantic are not, but they are
-    the smaller part (~50 ms of a 4 MiB body). One worker, not more: the parsing competes with the engine
-    thread for the cores and the GIL, and with two workers on a 2-core machine an engine step took 0.6 s
-    instead of 15 ms, while with one a victim stream's largest gap stayed under 3x its median + 0.5 s.
-    """
-
-    def __init__(self, limits: ServerLimits, max_model_len: int) -> None:
-        self.limits = limits
-        self.max_model_len = max_model_len
-        self.pool = ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="pagedkv-parse")
-
-    async def parse(self, request: Request, model: type[BodyT]) -> BodyT:
-        try:
-            raw = await request.body()
-        except ClientDisconnect as exc:  # the client left, or the server's body timeout closed it
-            raise APIError(499, "the client closed the connection", code="client_closed_request") from exc
-        if len(raw) <= PARSE_ON_LOOP_BYTES:
-            return self.validate(raw, model)
-        return await asyncio.get_running_loop().run_in_executor(self.pool, self.validate, raw, model)
-
-    def validate(self, raw: bytes, model: type[BodyT]) -> BodyT:
-        """The JSON body, bounded (values, shape, then the limited fields) before pydantic builds anything from it;
-        its values are counted before ``json.loads`` builds them, which holds the GIL throughout."""
-        self.limits.check_values(raw, self.max_model_len)
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as exc:
-            raise APIError(400, f"the body is not valid JSON: {str(exc)[:200]}") from exc
-        self.limits.check_shape(body)
-        self.limits.check(body, self.max_model_len)
-        return model.model_validate(body)
-
-
 def build_app(
     engine: LLMEngine,
     served_model_name: str | None = None,
@@ -239,10 +190,8 @@ def build_app(
     model_name = served_model_name or Path(str(engine.model_path)).name
     grammars = GrammarPool(engine.grammars, limits.grammar_compile_threads, limits.grammar_compile_timeout_s)
     async_engine = AsyncEngine(engine, limits.max_queued_seqs, grammars)
-    metrics = async_engine.metrics
     ctx = ServingContext(async_engine, model_name, limits, template_supports_tools(engine.tokenizer), reasoning_parser)
-    max_model_len = engine.max_model_len
-    bodies = BodyParser(limits, max_model_len)
+    bodies = BodyParser(limits, engine.max_model_len)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -255,48 +204,16 @@ def build_app(
 
     app = FastAPI(title="pagedkv", lifespan=lifespan)
     app.state.async_engine = async_engine
+    metrics = async_engine.metrics
     app.add_middleware(
         RequestGate, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics, loopback_only=loopback_only
     )
     _add_error_handlers(app, metrics)
     add_kv_routes(app, async_engine)  # GET /kv (the live KV map) and /kv.json
-
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200 if async_engine.is_running else 503)
-
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        body, content_type = metrics.render()
-        return Response(body, media_type=content_type)
-
-    @app.get("/v1/models")
-    async def models() -> ModelList:
-        card = ModelCard(id=model_name, root=model_name, max_model_len=max_model_len)
-        return ModelList(data=[card])
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        body = await bodies.parse(request, CompletionRequest)
-        return await create_completion(ctx, body, request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        body = await bodies.parse(request, ChatCompletionRequest)
-        return await create_chat_completion(ctx, body, request)
-
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request) -> Response:
-        body = await bodies.parse(request, EmbeddingRequest)
-        return await create_embedding(ctx, body, request, engine.runner.model.spec.hidden_size)
-
-    add_tokenize_routes(app, ctx, bodies.parse, len(engine.tokenizer), max_model_len)  # /tokenize, /detokenize
+    add_openai_routes(app, ctx, bodies, engine)  # /health, /metrics, /v1/models, completions, chat, embeddings
+    add_tokenize_routes(app, ctx, bodies, engine)  # /tokenize, /detokenize
     add_ollama_routes(app, ctx, bodies, engine)  # Ollama's API: /api/chat, /api/generate, /api/tags, ...
-    store = ResponseStore(limits.max_stored_responses, limits.max_stored_response_bytes)
-    config = engine.config
-    responses_api = ResponsesAPI(ctx, store, max_model_len, config.block_size, config.enable_prefix_caching)
-    add_responses_routes(app, responses_api, bodies.parse)  # POST /v1/responses, GET and DELETE /v1/responses/{id}
-
+    add_responses_routes(app, ctx, bodies, engine)  # POST /v1/responses, GET and DELETE /v1/responses/{id}
     return app
 
 

@@ -15,8 +15,8 @@ tokenize calls cannot queue unbounded work in front of the generation requests' 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
@@ -27,6 +27,10 @@ from pagedkv.entrypoints.server.protocol import APIError, ChatMessage, value_err
 from pagedkv.entrypoints.server.request_fields import unhonoured_field
 from pagedkv.entrypoints.server.serving import ServingContext
 from pagedkv.entrypoints.server.tool_calls import chat_prompt
+
+if TYPE_CHECKING:
+    from pagedkv.engine.engine import LLMEngine
+    from pagedkv.entrypoints.server.bodies import BodyParser
 
 MAX_NAMED_IDS = 8  # out-of-vocabulary ids an error lists
 
@@ -92,19 +96,14 @@ class TokenizerJobs:
             self.running -= 1
 
 
-def add_tokenize_routes(
-    app: FastAPI,
-    ctx: ServingContext,
-    parse: Callable[[Request, type[BaseModel]], Awaitable[Any]],
-    vocab_size: int,
-    max_model_len: int,
-) -> None:
-    """``parse``: the server's bounded body parser (``BodyParser.parse``); ``vocab_size``: the tokenizer's."""
+def add_tokenize_routes(app: FastAPI, ctx: ServingContext, bodies: BodyParser, engine: LLMEngine) -> None:
+    """Register /tokenize and /detokenize on ``app`` (before the engine thread starts: it reads the engine)."""
     jobs = TokenizerJobs(ctx, ctx.limits.max_queued_seqs)
+    vocab_size, max_model_len = len(engine.tokenizer), engine.max_model_len
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> TokenizeResponse:
-        body: TokenizeRequest = await parse(request, TokenizeRequest)
+        body = await bodies.parse(request, TokenizeRequest)
         ctx.check_model(body.model)
         _refuse_extras(body)
         job = _tokenize_job(body, ctx.native_tools)
@@ -116,7 +115,7 @@ def add_tokenize_routes(
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> DetokenizeResponse:
-        body: DetokenizeRequest = await parse(request, DetokenizeRequest)
+        body = await bodies.parse(request, DetokenizeRequest)
         ctx.check_model(body.model)
         _refuse_extras(body)
         outside = [t for t in body.tokens if not 0 <= t < vocab_size]

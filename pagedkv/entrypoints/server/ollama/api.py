@@ -43,7 +43,7 @@ from pagedkv.model.gguf_file import GGUFFile, split_files
 
 if TYPE_CHECKING:
     from pagedkv.engine.engine import LLMEngine
-    from pagedkv.entrypoints.server.openai_server import BodyParser
+    from pagedkv.entrypoints.server.bodies import BodyParser
 
 # The Ollama release whose API these routes follow (docs.ollama.com/api, /api/version's example).
 OLLAMA_API_VERSION = "0.12.6"

@@ -11,9 +11,8 @@ and a bounded store of finished responses for ``previous_response_id`` (``respon
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from starlette.requests import Request
@@ -39,6 +38,10 @@ from pagedkv.entrypoints.server.responses.store import ResponseStore, owner_of
 from pagedkv.entrypoints.server.responses.stream import TypedEventStream, response_events
 from pagedkv.entrypoints.server.serving import ServingContext, collect
 from pagedkv.entrypoints.server.tool_calls import ToolPlan, chat_prompt, plan_tools
+
+if TYPE_CHECKING:
+    from pagedkv.engine.engine import LLMEngine
+    from pagedkv.entrypoints.server.bodies import BodyParser
 
 
 @dataclass(slots=True)
@@ -187,14 +190,16 @@ def _message_chars(message: dict[str, Any]) -> int:
     return len(message.get("content") or "") + sum(len(c["function"]["arguments"]) for c in calls)
 
 
-def add_responses_routes(
-    app: FastAPI, api: ResponsesAPI, parse: Callable[[Request, type[ResponsesRequest]], Awaitable[ResponsesRequest]]
-) -> None:
-    """``parse``: the server's bounded body parser (``BodyParser.parse``)."""
+def add_responses_routes(app: FastAPI, ctx: ServingContext, bodies: BodyParser, engine: LLMEngine) -> None:
+    """Register /v1/responses on ``app``, with a store bounded by the server's limits (before the engine thread
+    starts: it reads the engine)."""
+    limits, config = ctx.limits, engine.config
+    store = ResponseStore(limits.max_stored_responses, limits.max_stored_response_bytes)
+    api = ResponsesAPI(ctx, store, engine.max_model_len, config.block_size, config.enable_prefix_caching)
 
     @app.post("/v1/responses")
     async def create(request: Request) -> Response:
-        body = await parse(request, ResponsesRequest)
+        body = await bodies.parse(request, ResponsesRequest)
         return await create_response(api, body, request)
 
     @app.get("/v1/responses/{response_id}")
