@@ -3,7 +3,8 @@
 The rooms, bottom to top, follow the layers of docs/architecture.md: the small pure-Python pieces everything
 uses; the engine's configuration; sampling parameters and the sampler; the KV cache; the compiled kernels; the
 attention backends; tensor-parallel comms; the model; the engine; then the entry points: the offline LLM, the HTTP
-server, the Ray replicas (whose ingress is a server), the CLI over them all. An arrow that runs up ties a
+server (what its APIs share, then the Ollama and Responses APIs, then the app that registers them all), the Ray
+replicas (whose ingress is a server), the CLI over them all. An arrow that runs up ties a
 lower room to everything above it (reading the config loaded torch and the kernels), so the scan below fails on
 any new one. ``pagedkv/__init__.py`` is the package's lazy public face and may name any room.
 """
@@ -33,6 +34,8 @@ ROOMS: list[tuple[str, set[str]]] = [
     ("engine", {"engine"}),
     ("offline", {"entrypoints.llm", "entrypoints.chat"}),
     ("server", {"entrypoints.server"}),
+    ("server APIs", {"entrypoints.server.ollama", "entrypoints.server.responses"}),
+    ("server app", {"entrypoints.server.openai_server"}),
     ("replicas", {"entrypoints.replicas"}),
     ("cli", {"entrypoints", "entrypoints.cli"}),
 ]
