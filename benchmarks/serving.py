@@ -2,7 +2,7 @@
 
     python benchmarks/serving.py [--concurrency 1 4 32] [--requests N] [--max-new-tokens N] [--rounds 2]
                                  [--parallel 1 4 32] [--quick] [--json] [--skip-llama] [--llama-server PATH]
-                                 [--wait-quiet CORES] [--speculative K] [--fp16-kv] [--kv-tokens N]
+                                 [--wait-quiet CORES] [--speculative K] [--fp16-kv] [--int8] [--kv-tokens N]
 
 The chat requests of `workloads/chat_shared_prefix.json` (one long system prompt, a different question
 each) go through the OpenAI-compatible chat endpoint of each server, streamed, greedy, with the workload's
@@ -29,7 +29,8 @@ One request at a time (the single-stream table): `--concurrency 1 --parallel 1 -
 gguf server with prompt-lookup speculation (4 draft tokens). Both servers get the same KV capacity in tokens
 (`--kv-tokens`, default 16,384: llama-server's `--ctx-size`, pagedkv's pool of as many tokens), which costs
 pagedkv twice llama-server's bytes (fp32 K/V against f16) -- counted in its peak RSS as it is. `--fp16-kv` adds
-pagedkv's gguf server with an fp16 pool (`--kv-cache-dtype float16`): llama-server's KV bytes as well.
+pagedkv's gguf server with an fp16 pool (`--kv-cache-dtype float16`): llama-server's KV bytes as well. `--int8`
+adds pagedkv with the opt-in `--weight-format gguf-int8` (activations rounded to int8 blocks, as llama.cpp does).
 
 On a shared machine: every round records `outside_cores`, the CPU that other processes used while it ran
 (from /proc/stat, less the server's and this client's), and `--wait-quiet CORES` waits (up to
@@ -66,7 +67,14 @@ MODEL_NAME = "smol"
 PAGEDKV_CONFIGS = {"pagedkv fp32": "float32", "pagedkv gguf (exact)": "gguf"}
 SPECULATIVE = "pagedkv gguf + speculation"  # the gguf server with --num-speculative-tokens (--speculative K)
 FP16_KV = "pagedkv gguf, fp16 KV"  # the gguf server with --kv-cache-dtype float16 (--fp16-kv)
-RATIO_KEYS = {"pagedkv fp32": "fp32", "pagedkv gguf (exact)": "gguf", SPECULATIVE: "gguf_spec", FP16_KV: "gguf_fp16kv"}
+INT8 = "pagedkv gguf-int8 (opt-in)"  # the server with --weight-format gguf-int8 (--int8): int8 activations
+RATIO_KEYS = {
+    "pagedkv fp32": "fp32",
+    "pagedkv gguf (exact)": "gguf",
+    SPECULATIVE: "gguf_spec",
+    FP16_KV: "gguf_fp16kv",
+    INT8: "gguf_int8",
+}
 KV_TOKENS = 16384  # tokens of KV, unified over the slots: 32 requests of ~250 prompt + 64 new tokens fit
 # Every server gets the same capacity in tokens, --kv-tokens: pagedkv's pool in blocks of this many tokens (its
 # values 4 bytes each in the fp32 pool, 2 in the fp16 one and in llama-server's f16 cache), whatever the model.
@@ -541,6 +549,11 @@ def main() -> int:
         help="also run pagedkv gguf with an fp16 KV pool (--kv-cache-dtype float16: llama-server's KV bytes)",
     )
     parser.add_argument(
+        "--int8",
+        action="store_true",
+        help="also run pagedkv with --weight-format gguf-int8 (opt-in: llama.cpp's int8-activation arithmetic)",
+    )
+    parser.add_argument(
         "--kv-tokens",
         type=int,
         default=KV_TOKENS,
@@ -610,6 +623,10 @@ def main() -> int:
                 None,
                 lambda port: pagedkv_command(model, "gguf", port, args.threads, args.kv_tokens, kv_dtype="float16"),
             )
+        )
+    if args.int8 and not args.skip_pagedkv:
+        configs.append(
+            (INT8, None, lambda port: pagedkv_command(model, "gguf-int8", port, args.threads, args.kv_tokens))
         )
     if llama_binary:
         configs += [

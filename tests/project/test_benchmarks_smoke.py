@@ -110,18 +110,20 @@ def test_serving_quick_json(tmp_path):
     """The pagedkv side of the serving benchmark: a real `pagedkv serve` subprocess per concurrency, driven by
     the streaming OpenAI client, started and stopped by the script."""
     summary = run_quick_json(
-        "serving.py", "--skip-llama", "--speculative", "2", "--fp16-kv", "--out-dir", str(tmp_path)
+        "serving.py", "--skip-llama", "--speculative", "2", "--fp16-kv", "--int8", "--out-dir", str(tmp_path)
     )
     assert summary["notes"] == ["llama-server skipped: --skip-llama"] and summary["llama_server"] is None
     rows = summary["results"]
-    spec, half = "pagedkv gguf + speculation", "pagedkv gguf, fp16 KV"
+    spec, half, int8 = "pagedkv gguf + speculation", "pagedkv gguf, fp16 KV", "pagedkv gguf-int8 (opt-in)"
     assert [(row["engine"], row["concurrency"]) for row in rows] == [
         ("pagedkv fp32", 1),
         (spec, 1),
         (half, 1),
+        (int8, 1),
         ("pagedkv fp32", 4),
         (spec, 4),
         (half, 4),
+        (int8, 4),
     ]
     for row in rows:
         assert row["requests"] == 4 and 0 < row["output_tokens"] <= 4 * 8
