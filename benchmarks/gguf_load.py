@@ -1,7 +1,7 @@
 """Loading a GGUF file: time to ready and memory, pagedkv next to llama.cpp, each in a fresh process.
 
     python benchmarks/gguf_load.py [--model FILE.gguf] [--cold] [--decode 64] [--threads 2] [--json out.json]
-                                   [--weight-format gguf gguf-int8]
+                                   [--weight-format gguf gguf-int8] [--pair]
 
 For each engine a new Python process loads the model and reports (as JSON on its last line):
 
@@ -17,10 +17,13 @@ chatting sees), and reports ``decode_tok_s``: N over the time past the first tok
 with ``max_tokens=1``, in the same process, and subtracted).
 
 ``--weight-format`` runs pagedkv once per format given (default ``gguf``; ``gguf-int8`` is the opt-in
-int8-activation format, docs/int8-activations.md). ``--cold`` runs pagedkv once more with an empty
+int8-activation format, docs/int8-activations.md). ``--cold`` runs pagedkv once more per format with an empty
 ``$PAGEDKV_CACHE_DIR`` first: its kernels compiled and the file's metadata converted, as on a machine that
-never ran it. The KV pool is sized to 256 MiB on both sides (pagedkv: ``kv_cache_memory_gb``; llama.cpp:
-``n_ctx`` tokens of its fp16 cache). State the CPU with the numbers.
+never ran it. ``--pair`` then loads two pagedkv engines at once per format, as two servers on one machine
+would, and reports each one's PSS and ``file_pss_mib``, its share of the file's mapped pages: whether the two
+hold the weights once (the pages shared) or twice (each its own copy). The KV pool is sized to 256 MiB on
+both sides (pagedkv: ``kv_cache_memory_gb``; llama.cpp: ``n_ctx`` tokens of its fp16 cache).
+State the CPU with the numbers.
 """
 
 from __future__ import annotations
@@ -41,17 +44,27 @@ KV_MIB = 256
 
 
 def _memory() -> dict[str, float]:
-    fields = {}
-    with open("/proc/self/smaps_rollup") as f:
-        for line in f:
-            parts = line.split()
-            if parts[0] in ("Rss:", "Pss:"):
-                fields[parts[0][:-1].lower() + "_mib"] = round(int(parts[1]) / 1024, 1)
-    fields["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-    return fields
+    """This process's RSS and PSS now, and its peak RSS."""
+    peak = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    return _proc_memory(os.getpid()) | {"peak_rss_mib": peak}
 
 
 PROMPT = list(range(1000, 1064))  # token ids: every vocabulary here is larger
+
+
+def _file_memory(pid: int, model: str) -> dict[str, float]:
+    """Resident and proportional memory of the process's mappings of the GGUF file(s), from /proc/PID/smaps."""
+    names = {str(p.resolve()) for p in _files(model)}
+    totals = {"Rss:": 0, "Pss:": 0}
+    in_file = False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if "-" in parts[0] and len(parts) >= 5:  # a mapping's header line: its path is the last field
+                in_file = len(parts) >= 6 and parts[-1] in names
+            elif in_file and parts[0] in totals:
+                totals[parts[0]] += int(parts[1])
+    return {"file_rss_mib": round(totals["Rss:"] / 1024, 1), "file_pss_mib": round(totals["Pss:"] / 1024, 1)}
 
 
 def child_pagedkv(model: str, threads: int, decode: int, weight_format: str = "gguf") -> dict:
@@ -131,6 +144,38 @@ def _run(
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _run_pair(model: str, threads: int, weight_format: str) -> list[dict]:
+    """Two pagedkv engines loading ``model`` side by side; each one's memory (and its share of the file's
+    mapped pages) read while both are alive."""
+    command = [sys.executable, __file__, "--child", "pagedkv", "--model", model, "--threads", str(threads)]
+    command += ["--weight-format", weight_format, "--hold"]
+    children = [subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        results = []
+        for child in children:
+            line = child.stdout.readline()
+            results.append(json.loads(line) if line else {"error": f"exit {child.wait()}"})
+        for child, result in zip(children, results, strict=True):
+            if "error" not in result:
+                result |= _proc_memory(child.pid) | _file_memory(child.pid, model)
+        return results
+    finally:
+        for child in children:
+            child.stdin.close()
+            child.wait(timeout=60)
+
+
+def _proc_memory(pid: int) -> dict[str, float]:
+    """RSS and PSS of a live process, from /proc/PID/smaps_rollup."""
+    fields = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if parts[0] in ("Rss:", "Pss:"):
+                fields[parts[0][:-1].lower() + "_mib"] = round(int(parts[1]) / 1024, 1)
+    return fields
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a .gguf file (default: the default model)")
@@ -140,6 +185,8 @@ def main() -> None:
     parser.add_argument("--child", choices=["pagedkv", "llama.cpp"], help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--weight-format", nargs="+", default=["gguf"], help="pagedkv's weight formats to run")
+    parser.add_argument("--pair", action="store_true", help="also load two pagedkv engines at once: their PSS")
+    parser.add_argument("--hold", action="store_true", help=argparse.SUPPRESS)  # a child waits for stdin to close
     args = parser.parse_args()
     if args.model is None:
         from pagedkv.model.loader import default_model_path
@@ -150,23 +197,28 @@ def main() -> None:
             result = child_pagedkv(args.model, args.threads, args.decode, args.weight_format[0])
         else:
             result = child_llama_cpp(args.model, args.threads, args.decode)
-        print(json.dumps(result))
+        print(json.dumps(result), flush=True)
+        if args.hold:
+            sys.stdin.read()  # alive (and mapping the file) until the parent has measured both engines
         return
     from pagedkv.extension import cpu_flags
 
     results = {}
-    if args.cold:
-        with tempfile.TemporaryDirectory() as empty:
-            cold = os.environ | {"PAGEDKV_CACHE_DIR": empty}
-            results["pagedkv (cold)"] = _run("pagedkv", args.model, args.threads, 0, cold)
     for weight_format in args.weight_format:
         name = "pagedkv" if weight_format == "gguf" else f"pagedkv {weight_format}"
+        if args.cold:
+            with tempfile.TemporaryDirectory() as empty:
+                cold = os.environ | {"PAGEDKV_CACHE_DIR": empty}
+                results[f"{name} (cold)"] = _run("pagedkv", args.model, args.threads, 0, cold, weight_format)
         results[name] = _run("pagedkv", args.model, args.threads, args.decode, weight_format=weight_format)
+        if args.pair:
+            for i, result in enumerate(_run_pair(args.model, args.threads, weight_format)):
+                results[f"{name} (pair {i + 1})"] = result
     results["llama.cpp"] = _run("llama.cpp", args.model, args.threads, args.decode)
     isa = "AVX-512" if "avx512f" in cpu_flags().split() else "AVX2"
     file_mib = sum(p.stat().st_size for p in _files(args.model)) / 2**20
     print(f"{Path(args.model).name}: {file_mib:.0f} MiB, KV pool {KV_MIB} MiB, {args.threads} threads, {isa} CPU")
-    keys = ["ready_s", "peak_rss_mib", "rss_mib", "pss_mib", "weights_mib", "kv_mib", "decode_tok_s"]
+    keys = ["ready_s", "peak_rss_mib", "rss_mib", "pss_mib", "file_pss_mib", "weights_mib", "kv_mib", "decode_tok_s"]
     print(f"{'engine':22}" + "".join(f"{k:>14}" for k in keys))
     for name, result in results.items():
         print(f"{name:22}" + "".join(f"{result.get(k, '-')!s:>14}" for k in keys) + f"  {result.get('error', '')}")
