@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from pagedkv import kernels
 from pagedkv.attention.paged import KernelAttention
@@ -45,6 +45,8 @@ def _tiny_config(kind: str):
             "original_max_position_embeddings": 32,
         }
         return LlamaConfig(**common, tie_word_embeddings=True, attention_bias=True, rope_parameters=rope)
+    if kind == "mistral":  # the Llama decoder under its own model_type (a window only caps the context)
+        return MistralConfig(**common, tie_word_embeddings=False, sliding_window=None)
     if kind == "qwen2":
         return Qwen2Config(**common, tie_word_embeddings=True)
     if kind == "qwen3":
@@ -52,7 +54,7 @@ def _tiny_config(kind: str):
     raise ValueError(kind)
 
 
-KINDS = ["llama", "llama3-rope-bias-tied", "qwen2", "qwen3"]
+KINDS = ["llama", "llama3-rope-bias-tied", "mistral", "qwen2", "qwen3"]
 
 
 @pytest.fixture(scope="module", params=KINDS)
