@@ -4,7 +4,8 @@
 ``LLM.save_kv_map(path)`` draws an offline engine's. Both go through ``render_kv_map``: the blocks as a grid
 of squares in block-id order (coloured by state, cached ones shaded by eviction order), the hottest cached
 prefixes as a tree, and the counters over time. The grid is drawn pixel for pixel (``figimage``), never
-resampled, so every block is a crisp square whatever the pool size.
+resampled, so every block is a crisp square whatever the pool size. A model with sliding-window layers gets a
+second grid under the first: their own block group's blocks (``window_group`` in the JSON), in the same colours.
 
 matplotlib is an optional dependency (``pip install 'pagedkv[plot]'``); nothing else in pagedkv needs it.
 """
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
 WIDTH_PX, DPI, MARGIN_PX = 1200, 100, 24
 TITLE_PX, LEGEND_PX, PANEL_PX = 44, 34, 380
+WINDOW_TITLE_PX = 28  # the caption above the sliding-window group's grid
 MAX_TREE_LINES = 24
 
 
@@ -78,10 +80,17 @@ def render_kv_map(data: dict) -> Figure:
     from matplotlib.figure import Figure
 
     grid = grid_image(data, WIDTH_PX - 2 * MARGIN_PX)
-    height_px = TITLE_PX + grid.shape[0] + LEGEND_PX + PANEL_PX
+    windowed = data.get("window_group")
+    window_grid = None
+    if windowed is not None:
+        window_grid = grid_image({**windowed, "palette": data["palette"]}, WIDTH_PX - 2 * MARGIN_PX)
+    window_px = 0 if window_grid is None else WINDOW_TITLE_PX + window_grid.shape[0] + 8
+    height_px = TITLE_PX + grid.shape[0] + LEGEND_PX + window_px + PANEL_PX
     fig = Figure(figsize=(WIDTH_PX / DPI, height_px / DPI), dpi=DPI, facecolor="white")
     fig.figimage(grid, xo=MARGIN_PX, yo=height_px - TITLE_PX - grid.shape[0], origin="upper")
     fig.kv_grid_box = (MARGIN_PX, TITLE_PX, grid.shape[1], grid.shape[0])
+    if window_grid is not None:
+        _window_grid(fig, windowed, window_grid, TITLE_PX + grid.shape[0] + LEGEND_PX, height_px)
     counters, counts = data["counters"], data["counts"]
     title = (
         f"pagedkv KV cache: {data['num_blocks']} blocks of {data['block_size']} tokens   "
@@ -90,10 +99,24 @@ def render_kv_map(data: dict) -> Figure:
     )
     fig.text(MARGIN_PX / WIDTH_PX, 1 - 28 / height_px, title, fontsize=12, weight="bold")
     _legend(fig, data, counts, (TITLE_PX + grid.shape[0] + 22) / height_px)
-    panel_top = 1 - (TITLE_PX + grid.shape[0] + LEGEND_PX) / height_px
+    panel_top = 1 - (TITLE_PX + grid.shape[0] + LEGEND_PX + window_px) / height_px
     _tree(fig, data["prefix_tree"], panel_top, height_px)
     _charts(fig, data, panel_top, height_px)
     return fig
+
+
+def _window_grid(fig: Figure, windowed: dict, grid: np.ndarray, top_px: int, height_px: int) -> None:
+    """The sliding-window layers' group under the main grid: a caption, then its squares; ``fig.kv_window_grid_box``
+    is their (left, top, width, height) in pixels, as ``kv_grid_box`` is the main grid's."""
+    counts = windowed["counts"]
+    caption = (
+        f"sliding-window layers (window {windowed['window']} tokens): {windowed['num_blocks']} blocks of their own, "
+        f"{counts['held'] + counts['shared']} held, {counts['cached']} cached"
+    )
+    fig.text(MARGIN_PX / WIDTH_PX, 1 - (top_px + 18) / height_px, caption, fontsize=10, weight="bold")
+    grid_top = top_px + WINDOW_TITLE_PX
+    fig.figimage(grid, xo=MARGIN_PX, yo=height_px - grid_top - grid.shape[0], origin="upper")
+    fig.kv_window_grid_box = (MARGIN_PX, grid_top, grid.shape[1], grid.shape[0])
 
 
 def save_kv_map(data: dict, path: str | os.PathLike) -> Path:

@@ -9,6 +9,10 @@ A block is in one of four states: ``held`` (one request's), ``shared`` (several 
 ``empty`` (nobody's and keyless). Block keys are shown as short ids keyed with a secret drawn per process,
 so the map shows the structure of the cache without letting anyone test whether a guessed prompt is in it
 (a bare key hash would: hash the guess, look for it).
+
+A model with sliding-window layers (Gemma 3) keeps their blocks in a second group (``pagedkv.kv.hybrid``): the
+JSON's ``window_group`` lists that group's blocks in the same four states (a request holds only its last
+window there; the null block, never handed out, is not listed), beside the full-attention group's ``blocks``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from pagedkv.kv.hashing import BlockKey
+from pagedkv.kv.hybrid import HybridKVCacheManager
 from pagedkv.kv.prefix_tree import build_prefix_tree
 
 HELD, SHARED, CACHED, EMPTY = "held", "shared", "cached", "empty"
@@ -37,40 +42,63 @@ _KEY_SECRET = os.urandom(16)
 
 
 @dataclass(slots=True)
-class KVSnapshot:
-    """Copies of the pool's state at one moment, plus the engine's counters and their history."""
+class PoolSnapshot:
+    """Copies of one block group's pool state at one moment."""
 
-    time: float
-    block_size: int
-    prefix_caching: bool
     ref_counts: list[int]
     keys: list[BlockKey | None]
     parents: list[BlockKey | None]
     hits: list[int]
     free_order: list[int]  # free block ids, next handed out first
-    tables: dict[str, list[int]]  # request id -> its block ids
+    tables: dict[str, list[int]]  # request id -> the block ids it holds
+
+
+@dataclass(slots=True)
+class KVSnapshot:
+    """Copies of the pools' state at one moment, plus the engine's counters and their history."""
+
+    time: float
+    block_size: int
+    prefix_caching: bool
+    pool: PoolSnapshot  # the full-attention layers' (every layer's, without sliding-window layers)
     counters: dict[str, float]
     history: list[dict[str, float]]
+    windowed: PoolSnapshot | None = None  # the sliding-window layers' group, where the KV manager keeps one
+    window: int = 0
+
+
+def read_pool(pool, tables: dict[str, list[int]]) -> PoolSnapshot:
+    """Copy one :class:`BlockPool`'s state; ``tables``: each request's held block ids in it."""
+    n = pool.num_blocks
+    return PoolSnapshot(
+        ref_counts=pool.ref_counts(),
+        keys=[pool.key_of(b) for b in range(n)],
+        parents=[pool.parent_key_of(b) for b in range(n)],
+        hits=pool.hits(),
+        free_order=pool.free_order(),
+        tables=tables,
+    )
 
 
 def read_engine(core) -> KVSnapshot:
     """Copy what the map needs from an EngineCore: ``core.scheduler.kv``, its stats, and its counter history
     with the present as the last sample. Call it on the thread that owns the engine."""
     kv, stats = core.scheduler.kv, core.stats()
-    pool = kv.pool
-    n = pool.num_blocks
+    windowed = kv.windowed if isinstance(kv, HybridKVCacheManager) else None
+    window_pool = None
+    if windowed is not None:  # each request's windowed blocks, less the null block of what slid out
+        null = windowed.null_block
+        tables = {r: [b for b in kv.window_block_table(r) if b != null] for r in kv.block_tables()}
+        window_pool = read_pool(windowed.pool, tables)
     return KVSnapshot(
         time=time.time(),
         block_size=kv.block_size,
         prefix_caching=kv.enable_prefix_caching,
-        ref_counts=pool.ref_counts(),
-        keys=[pool.key_of(b) for b in range(n)],
-        parents=[pool.parent_key_of(b) for b in range(n)],
-        hits=pool.hits(),
-        free_order=pool.free_order(),
-        tables=kv.block_tables(),
+        pool=read_pool(kv.pool, kv.block_tables()),
         counters=stats,
         history=core.history.samples(current=stats),
+        windowed=window_pool,
+        window=windowed.window if windowed is not None else 0,
     )
 
 
@@ -89,17 +117,17 @@ def block_state(ref_count: int, key: BlockKey | None) -> str:
     return CACHED if key is not None else EMPTY
 
 
-def snapshot_json(snap: KVSnapshot) -> dict:
-    """The body of ``GET /kv.json``: one entry per block, the state counts, the prefix tree, the counters."""
+def pool_json(pool: PoolSnapshot) -> dict:
+    """One group's blocks: ``blocks`` (one entry each), ``counts`` per state, ``num_blocks``, ``num_cached_free``."""
     holders: dict[int, list[str]] = {}
-    for request_id, table in sorted(snap.tables.items()):
+    for request_id, table in sorted(pool.tables.items()):
         for block_id in table:
             holders.setdefault(block_id, []).append(request_id)
-    cached_free = [block_id for block_id in snap.free_order if snap.keys[block_id] is not None]
+    cached_free = [block_id for block_id in pool.free_order if pool.keys[block_id] is not None]
     eviction_rank = {block_id: rank for rank, block_id in enumerate(cached_free)}
     blocks = []
     counts = dict.fromkeys(STATES, 0)
-    for block_id, (ref_count, key) in enumerate(zip(snap.ref_counts, snap.keys)):
+    for block_id, (ref_count, key) in enumerate(zip(pool.ref_counts, pool.keys)):
         state = block_state(ref_count, key)
         counts[state] += 1
         blocks.append(
@@ -108,22 +136,33 @@ def snapshot_json(snap: KVSnapshot) -> dict:
                 "state": state,
                 "ref_count": ref_count,
                 "key": key_id(key),
-                "parent": key_id(snap.parents[block_id]),
-                "hits": snap.hits[block_id],
+                "parent": key_id(pool.parents[block_id]),
+                "hits": pool.hits[block_id],
                 "eviction_rank": eviction_rank.get(block_id),
                 "requests": holders.get(block_id, [])[:MAX_REQUESTS_PER_BLOCK],
             }
         )
+    return {"num_blocks": len(blocks), "counts": counts, "num_cached_free": len(eviction_rank), "blocks": blocks}
+
+
+def snapshot_json(snap: KVSnapshot) -> dict:
+    """The body of ``GET /kv.json``: one entry per block, the state counts, the prefix tree, the counters, and
+    the sliding-window layers' group (``window_group``: None where the model has none)."""
+    full = pool_json(snap.pool)
+    window_group = None
+    if snap.windowed is not None:
+        window_group = {"window": snap.window, **pool_json(snap.windowed)}
     return {
         "time": snap.time,
         "block_size": snap.block_size,
-        "num_blocks": len(blocks),
+        "num_blocks": full["num_blocks"],
         "prefix_caching": snap.prefix_caching,
-        "counts": counts,
-        "num_cached_free": len(eviction_rank),
+        "counts": full["counts"],
+        "num_cached_free": full["num_cached_free"],
         "counters": snap.counters,
         "history": snap.history,
-        "prefix_tree": build_prefix_tree(blocks),
+        "prefix_tree": build_prefix_tree(full["blocks"]),
         "palette": PALETTE,
-        "blocks": blocks,
+        "blocks": full["blocks"],
+        "window_group": window_group,
     }

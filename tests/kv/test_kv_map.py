@@ -2,7 +2,8 @@
 
 Scenario: three requests share a 3-block prefix and each has 2 blocks of its own plus a partial one (block
 size 4, a tiny random Llama). The expected states, hit counts and tree follow from that construction, not
-from the code under test; the PNG is read back from its pixels.
+from the code under test; the PNG is read back from its pixels. A tiny Gemma 3 adds the sliding-window layers'
+block group (``window_group``), checked against the KV manager's own tables after every step.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pagedkv import LLM, SamplingParams
 from pagedkv.kv.prefix_tree import build_prefix_tree
 from pagedkv.kv_map import render_kv_map, save_kv_map
 from tests.kv_map_pixels import states_in
+from tests.model.test_gemma3 import WINDOW, checkpoint, pair  # noqa: F401 - fixtures
 from tests.tiny_model import save_tiny_llama
 
 BS, NUM_BLOCKS = 4, 40
@@ -166,3 +168,62 @@ def test_the_counter_history_keeps_one_sample_per_interval_in_a_bounded_ring():
         "evictions": 0,
     }
     assert len(history.samples()) == 3, "the present is appended, not kept"
+
+
+# -- a model with sliding-window layers: their own block group, drawn under the main grid ----------------------
+
+
+@pytest.fixture(scope="module")
+def window_maps(checkpoint) -> dict:  # noqa: F811
+    """A tiny Gemma 3 (window 8 tokens, blocks of 4): one 40-token prompt, 3 new tokens, 16 tokens a step; the
+    map and the manager's windowed tables after every step, and the map once it finished."""
+    llm = LLM(model=checkpoint, block_size=BS, num_kv_blocks=NUM_BLOCKS, max_num_batched_tokens=16)
+    engine, kv = llm.engine, llm.engine.kv
+    rid = engine.add_request(prompt_token_ids=list(range(20, 60)), params=PARAMS)
+    steps = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        if engine.has_unfinished_requests():
+            steps.append((llm.kv_map(), [b for b in kv.window_block_table(rid) if b != kv.windowed.null_block]))
+    return {"steps": steps, "finished": llm.kv_map(), "rid": rid, "window_pool_blocks": kv.windowed.pool.num_blocks}
+
+
+def test_the_window_group_lists_what_each_request_holds_there(window_maps):
+    rid, bound = window_maps["rid"], -(-WINDOW // BS) + 1
+    assert len(window_maps["steps"]) >= 3  # prefill chunks, then decodes
+    for data, held in window_maps["steps"]:
+        group = data["window_group"]
+        assert group["window"] == WINDOW and group["num_blocks"] == window_maps["window_pool_blocks"] == NUM_BLOCKS
+        assert [b["id"] for b in group["blocks"] if b["state"] == "held"] == sorted(held)
+        assert all(b["requests"] == [rid] for b in group["blocks"] if b["state"] == "held")
+        assert 1 <= len(held) <= bound  # the window only, while the full group holds the whole context
+    assert window_maps["steps"][-1][0]["counts"]["held"] == 11  # 42 computed tokens: 11 blocks in the full group
+
+
+def test_finished_window_blocks_stay_cached_under_their_keys(window_maps):
+    """42 tokens computed: 10 full blocks keyed in both groups before release; the partial 11th goes keyless."""
+    data = window_maps["finished"]
+    group = data["window_group"]
+    assert group["counts"] == {"held": 0, "shared": 0, "cached": 10, "empty": NUM_BLOCKS - 10}
+    keys = {b["key"] for b in group["blocks"] if b["state"] == "cached"}
+    assert keys == {b["key"] for b in data["blocks"] if b["state"] == "cached"}  # the same block keys
+
+
+def test_a_model_without_windows_has_no_window_group(snapshots):
+    assert snapshots["finished"]["window_group"] is None
+
+
+def test_the_png_draws_the_window_group_under_the_main_grid(window_maps):
+    data, _ = window_maps["steps"][1]
+    fig = render_kv_map(data)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=fig.dpi, facecolor="white")
+    image = np.asarray(Image.open(io.BytesIO(buffer.getvalue())).convert("RGB"))
+    for box, blocks in ((fig.kv_grid_box, data["blocks"]), (fig.kv_window_grid_box, data["window_group"]["blocks"])):
+        left, top, width, height = box
+        states = states_in(image[top : top + height, left : left + width], data["palette"])
+        assert states == [b["state"] for b in blocks]
+    assert fig.kv_window_grid_box[1] > fig.kv_grid_box[1] + fig.kv_grid_box[3]
