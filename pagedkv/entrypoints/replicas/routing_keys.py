@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.engine.prompts import EnginePrompt
-from pagedkv.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv.entrypoints.server.openai_requests import ChatCompletionRequest, CompletionRequest
 from pagedkv.entrypoints.server.serving_completions import completion_prompts
 from pagedkv.entrypoints.server.tool_calls import chat_prompt, plan_tools, template_supports_tools
 from pagedkv.kv.hashing import BlockKey, extend_block_keys

@@ -18,7 +18,8 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from pagedkv.entrypoints.server.protocol import GRAMMAR_FIELDS, APIError
+from pagedkv.entrypoints.server.openai_requests import GRAMMAR_FIELDS
+from pagedkv.entrypoints.server.protocol import APIError
 
 # Values a request needs besides its prompts' token ids, at most: 64 KiB of tools or grammar as JSON hold
 # at most ~32 k (two bytes a value), stop_token_ids 1,024, messages 512 (with their content parts).

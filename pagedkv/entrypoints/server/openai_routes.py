@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pagedkv.entrypoints.server.openai_objects import ModelCard, ModelList
-from pagedkv.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv.entrypoints.server.openai_requests import ChatCompletionRequest, CompletionRequest
 from pagedkv.entrypoints.server.serving import ServingContext
 from pagedkv.entrypoints.server.serving_chat import create_chat_completion
 from pagedkv.entrypoints.server.serving_completions import create_completion

@@ -35,8 +35,8 @@ from pagedkv.entrypoints.server.openai_objects import (
     PromptLogprobs,
     ToolCallResponse,
 )
+from pagedkv.entrypoints.server.openai_requests import ChatCompletionRequest
 from pagedkv.entrypoints.server.prompt_scores import vllm_prompt_logprobs
-from pagedkv.entrypoints.server.protocol import ChatCompletionRequest
 from pagedkv.entrypoints.server.reasoning import ReasoningSplitter, Split, for_the_answer, split_reasoning
 from pagedkv.entrypoints.server.serving import (
     EventStreamResponse,

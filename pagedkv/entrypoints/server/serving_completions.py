@@ -19,8 +19,9 @@ from pagedkv.engine.async_client import RequestStream
 from pagedkv.engine.prompts import EnginePrompt
 from pagedkv.engine.request import CompletionOutput, RequestOutput
 from pagedkv.entrypoints.server.openai_objects import CompletionChoice, CompletionResponse
+from pagedkv.entrypoints.server.openai_requests import CompletionRequest
 from pagedkv.entrypoints.server.prompt_scores import echo_choice, echoed_prompt, vllm_prompt_logprobs
-from pagedkv.entrypoints.server.protocol import APIError, CompletionRequest
+from pagedkv.entrypoints.server.protocol import APIError
 from pagedkv.entrypoints.server.serving import (
     EventStreamResponse,
     ServingContext,
