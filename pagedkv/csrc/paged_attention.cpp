@@ -284,11 +284,37 @@ void load_queries(const Problem& pr, const Item& item, Scratch& s) {
     }
 }
 
+// Where each key of the partition [begin, end) of `request` lies in the pool (KV head 0), read through the block
+// table once, into `offsets`. The keys before `view` (weight 0 in every row) are not read: they take the view's
+// first key's offset, so the blocks a windowed layer released (its table's null entries) are never touched.
+const int64_t* key_offsets(const Problem& pr, int64_t request, int64_t begin, int64_t end, int64_t view,
+                           int64_t* offsets) {
+  const int64_t bs = pr.block_size, seen = std::max(begin, view), *table = pr.tables + request * pr.max_blocks;
+  for (int64_t t = seen, block = seen / bs, offset = seen % bs; t < end; ++t) {
+    offsets[t - begin] = (table[block] * bs + offset) * pr.kv_heads * pr.dim;
+    if (++offset == bs) offset = 0, ++block;
+  }
+  std::fill(offsets, offsets + (seen - begin), offsets[seen - begin]);
+  std::fill(offsets + (end - begin), offsets + round_up(end - begin, kLanes), offsets[0]);  // valid, discarded
+  return offsets;
+}
+
+// Ask for the K and V rows of `n` keys (at k + offsets[i], v + offsets[i]) into L2, while the L1 is busy with the
+// tile before them: the blocks are scattered, so the hardware cannot guess them, but the table can.
+template <typename T>
+void prefetch_keys(const T* k, const T* v, const int64_t* offsets, int64_t n, int64_t dim) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t d = 0; d < dim; d += 64 / sizeof(T)) {
+      __builtin_prefetch(k + offsets[i] + d, 0, 2);
+      __builtin_prefetch(v + offsets[i] + d, 0, 2);
+    }
+}
+
 // Attend the item's rows over the keys of partition `part`, each row cut at its own position, leaving per query
 // vector the unnormalised accumulator, max and sum in `s` (rows that end before the partition are left alone).
 template <int kDim, typename T>
 void attend(const Problem& pr, const Item& item, int64_t part, Scratch& s) {
-  const int64_t dim = kDim > 0 ? kDim : pr.dim, bs = pr.block_size, group = pr.group, vecs = s.vecs;
+  const int64_t dim = kDim > 0 ? kDim : pr.dim, group = pr.group, vecs = s.vecs;
   const int64_t rows = item.row_end - item.row_begin;
   const int64_t first_pos = pr.first_position(item.request) + item.row_begin;  // the item's first row's position
   const int64_t begin = part * kPartition, end = std::min(begin + kPartition, first_pos + rows);
@@ -296,18 +322,8 @@ void attend(const Problem& pr, const Item& item, int64_t part, Scratch& s) {
   std::fill(s.m.begin(), s.m.end(), kNegInf);
   std::fill(s.l.begin(), s.l.end(), 0.0f);
 
-  // Where each key of the partition lies in the pool (KV head 0), read through the block table once. The keys
-  // before the item's earliest view (weight 0 in every row) are not read: they take the view's first key's
-  // offset, so the blocks a windowed layer released (its table's null entries) are never touched.
-  const int64_t* table = pr.tables + item.request * pr.max_blocks;
-  int64_t* offsets = s.offsets.data();
-  const int64_t view = pr.view_start(first_pos), seen = std::max(begin, view);
-  for (int64_t t = seen, block = seen / bs, offset = seen % bs; t < end; ++t) {
-    offsets[t - begin] = (table[block] * bs + offset) * pr.kv_heads * dim;
-    if (++offset == bs) offset = 0, ++block;
-  }
-  std::fill(offsets, offsets + (seen - begin), offsets[seen - begin]);
-  std::fill(offsets + (end - begin), offsets + round_up(end - begin, kLanes), offsets[0]);  // valid, discarded
+  const int64_t view = pr.view_start(first_pos);  // the item's earliest view: its first row's
+  const int64_t* offsets = key_offsets(pr, item.request, begin, end, view, s.offsets.data());
 
   // Keys per slice of the first and last pass: one KV head's rows of them fill half the L1 (32 KiB on most x86).
   const int64_t sub = std::clamp<int64_t>(16384 / (dim * sizeof(T)) / kLanes * kLanes, kLanes, kTile);
@@ -319,13 +335,7 @@ void attend(const Problem& pr, const Item& item, int64_t part, Scratch& s) {
     const int64_t live = std::clamp<int64_t>(t - first_pos, 0, rows);  // rows before it ended before this tile
     for (int64_t h = item.kv_begin; h < item.kv_end; ++h) {
       const T *k = static_cast<const T*>(pr.k) + h * dim, *v = static_cast<const T*>(pr.v) + h * dim;
-      // While this tile is used, ask for the next one's rows, into L2 (the L1 is busy with this tile): the
-      // blocks are scattered, so the hardware cannot guess them, but the table can.
-      for (int64_t i = n; i < n + next; ++i)
-        for (int64_t d = 0; d < dim; d += 64 / sizeof(T)) {
-          __builtin_prefetch(k + tile[i] + d, 0, 2);
-          __builtin_prefetch(v + tile[i] + d, 0, 2);
-        }
+      prefetch_keys(k, v, tile + n, next, dim);  // the next tile's, while this one is used
       // Three passes over the live query vectors x (kM at a time, from x0) -- all dot products, all softmax
       // updates, all accumulates -- the first and last a slice of `sub` keys at a time, so that slice's K (or
       // V) rows stay in L1 while every vector uses them. Slicing the keys changes no vector's operations.
@@ -399,6 +409,29 @@ std::vector<Item> plan(const Problem& pr, int64_t batch, Partials& partials) {
   return items;
 }
 
+// The lone rows' partitions (kept in `partials` by `run`), merged in ascending order into `out`.
+void merge_lone_rows(const Problem& pr, int64_t batch, const Partials& partials, float* out) {
+  const int64_t dim = pr.dim, heads = pr.q_heads;
+  const int64_t total_rows = pr.query_loc[batch];
+  at::parallel_for(0, partials.m.empty() ? 0 : total_rows * heads, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> O(dim);
+    float M = 0.0f, L = 0.0f;
+    for (int64_t rh = begin; rh < end; ++rh) {
+      const int64_t i = rh / heads, head = rh % heads, first = partials.first[i];
+      if (first < 0) continue;
+      const int64_t request = std::upper_bound(pr.query_loc, pr.query_loc + batch + 1, i) - pr.query_loc - 1;
+      const int64_t position = pr.first_position(request) + i;
+      const int64_t parts = position / kPartition + 1 - pr.first_partition(position);
+      for (int64_t part = 0; part < parts; ++part) {  // counted from the row's first partition
+        const int64_t slot = (first + part) * heads + head;
+        merge_partition(part == 0, partials.m[slot], partials.l[slot], partials.acc.data() + slot * dim, M, L,
+                        O.data(), dim);
+      }
+      normalise(O.data(), L, out + rh * dim, dim);
+    }
+  });
+}
+
 template <int kDim, typename T>
 void run(const Problem& pr, int64_t batch, float* out) {
   const int64_t dim = pr.dim, heads = pr.q_heads, group = pr.group;
@@ -446,25 +479,7 @@ void run(const Problem& pr, int64_t batch, float* out) {
     }
   });
 
-  // The lone rows' partitions, merged in ascending order.
-  const int64_t total_rows = pr.query_loc[batch];
-  at::parallel_for(0, partials.m.empty() ? 0 : total_rows * heads, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> O(dim);
-    float M = 0.0f, L = 0.0f;
-    for (int64_t rh = begin; rh < end; ++rh) {
-      const int64_t i = rh / heads, head = rh % heads, first = partials.first[i];
-      if (first < 0) continue;
-      const int64_t request = std::upper_bound(pr.query_loc, pr.query_loc + batch + 1, i) - pr.query_loc - 1;
-      const int64_t position = pr.first_position(request) + i;
-      const int64_t parts = position / kPartition + 1 - pr.first_partition(position);
-      for (int64_t part = 0; part < parts; ++part) {  // counted from the row's first partition
-        const int64_t slot = (first + part) * heads + head;
-        merge_partition(part == 0, partials.m[slot], partials.l[slot], partials.acc.data() + slot * dim, M, L,
-                        O.data(), dim);
-      }
-      normalise(O.data(), L, out + rh * dim, dim);
-    }
-  });
+  merge_lone_rows(pr, batch, partials, out);
 }
 
 // The head dims the engine's models use get compiled-in loop bounds; any other runs the generic loops.
