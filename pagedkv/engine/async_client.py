@@ -1,12 +1,11 @@
 """AsyncEngine: the event-loop side of the server's engine -- admission, per-request streams, metrics.
 
 Three threads, each with one job. Handlers ``await add(...)`` on the event loop; the TokenizerWorker
-tokenizes the prompts and builds the requests; the EngineThread runs the EngineCore and hands each step's
-token ids back to the worker, which detokenizes them (while the next step runs) and passes the
-RequestOutputs to ``_deliver`` here, which routes them to their streams. A stop string the worker finds
-goes to the engine thread as a FinishCommand. Requests of all clients share the engine, so they are
-batched together for free. The routing table, the streams and the metrics are touched only on the loop,
-so none of it needs a lock.
+tokenizes the prompts and builds the requests; the EngineThread runs the engine loop (``EngineLoop``, the
+one ``LLM`` runs too: core step, output processor, stop strings) and posts each step's RequestOutputs to
+``_deliver`` here, which routes them to their streams. Requests of all clients share the engine, so they
+are batched together for free. The routing table, the streams and the metrics are touched only on the
+loop, so none of it needs a lock.
 
 Streams carry deltas (``pagedkv.engine.request_stream``).
 """
@@ -21,16 +20,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
 from pagedkv.engine.core_thread import (
+    AbortCommand,
     AddCommand,
     EngineStopped,
     EngineThread,
-    FinishCommand,
     InspectCommand,
     RequestFailed,
 )
 from pagedkv.engine.grammar_pool import GrammarPool
 from pagedkv.engine.metrics import ServerMetrics
-from pagedkv.engine.output_processor import Stop
 from pagedkv.engine.prompts import EnginePrompt
 from pagedkv.engine.request import OutputKind, RequestOutput
 from pagedkv.engine.request_stream import RequestStream
@@ -84,9 +82,8 @@ class AsyncEngine:
         self.engine = engine
         self.max_queued_seqs = max_queued_seqs
         self.metrics = ServerMetrics(self.stats)
-        self.tokenizer = TokenizerWorker(engine, self._processed, grammars)
+        self.tokenizer = TokenizerWorker(engine, grammars)
         self.failed = False  # the engine thread died: the server must exit (non-zero) to be restarted
-        self.on_death: Callable[[], None] | None = None
         self._thread: EngineThread | None = None
         self._accepting = False
         self._routes: dict[str, tuple[RequestStream, int]] = {}  # the client's one registry of live requests
@@ -95,24 +92,10 @@ class AsyncEngine:
 
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will consume the outputs."""
-        self._loop = asyncio.get_running_loop()
-        core = self.engine.core
-        # each step's token ids go to the worker, and the engine thread goes on with the next step
-        self._thread = EngineThread(core, self._loop, self.tokenizer.process, self._fail, self._died, self._set_stats)
+        loop = asyncio.get_running_loop()
+        self._thread = EngineThread(self.engine.loop, loop, self._deliver, self._fail, self._died, self._set_stats)
         self._thread.start()
         self._accepting = True
-
-    def _processed(self, outputs: list[RequestOutput], stops: list[Stop]) -> None:
-        """On the worker: stop strings go to the engine thread, outputs to the loop."""
-        thread = self._thread
-        for stop in stops:
-            if thread is not None:
-                thread.submit(FinishCommand([stop.request_id], stop.reason, stop.stop_reason))
-        if outputs:
-            try:
-                self._loop.call_soon_threadsafe(self._deliver, outputs)
-            except RuntimeError:  # the loop is closed: nobody is waiting any more
-                logger.debug("event loop closed; dropped %d outputs", len(outputs))
 
     async def shutdown(self, drain_s: float = 0.0, timeout_s: float = 30.0) -> None:
         """Refuse new requests, give those in flight up to ``drain_s`` to finish, abort the rest, stop the
@@ -176,18 +159,14 @@ class AsyncEngine:
         self._admit(sequences)
         group_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
-        requests = await self.tokenizer.prepare(group_ids, prompts, params, cache_salt, kind)
-        try:
-            self._admit(sequences)  # preparing took time: look again before queueing
-        except Exception:
-            self.tokenizer.abort(group_ids)
-            raise
+        groups, requests = await self.tokenizer.prepare(group_ids, prompts, params, cache_salt, kind)
+        self._admit(sequences)  # preparing took time: look again before queueing
         request = RequestStream(self, request_id, group_ids, requests)
         for index, engine_id in enumerate(request.engine_ids):
             self._routes[engine_id] = (request, index)
         self._num_sequences += sequences
         future = asyncio.get_running_loop().create_future()
-        self._thread.submit(AddCommand([r for prompt in requests for r in prompt], future))
+        self._thread.submit(AddCommand(groups, requests, future))
         try:
             await future
         except asyncio.CancelledError:
@@ -218,13 +197,11 @@ class AsyncEngine:
                 self._num_sequences -= stream.n
 
     def _stop(self, stream: RequestStream) -> None:
-        """Stop the unfinished prompts of ``stream`` everywhere: the routing table, the worker and the engine thread."""
+        """Stop the unfinished prompts of ``stream`` in the routing table and on the engine thread."""
         indices = sorted(stream.unfinished)
         self._forget(stream, indices)
-        if indices:
-            self.tokenizer.abort([stream.engine_ids[i] for i in indices])
-            if self._thread is not None:
-                self._thread.submit(FinishCommand([rid for i in indices for rid in stream.sample_ids[i]]))
+        if indices and self._thread is not None:
+            self._thread.submit(AbortCommand([stream.engine_ids[i] for i in indices]))
 
     def _abort(self, stream: RequestStream) -> None:
         if stream.finished:
@@ -269,7 +246,6 @@ class AsyncEngine:
 
     def _fail(self, engine_ids: list[str], error: BaseException) -> None:
         """End the streams of these engine requests (stopped by the engine thread) with ``error``."""
-        self.tokenizer.abort(engine_ids)
         for engine_id in engine_ids:
             route = self._routes.get(engine_id)
             if route is None:
@@ -281,9 +257,7 @@ class AsyncEngine:
                 stream.close(error)
 
     def _died(self, error: BaseException) -> None:
-        """The engine thread is gone: fail every stream, and tell the server to exit so it is restarted."""
+        """The engine thread is gone: fail every stream; ``failed`` tells the server to exit so it is restarted."""
         self.failed = True
         self._accepting = False
         self._fail(list(self._routes), error)
-        if self.on_death is not None:
-            self.on_death()

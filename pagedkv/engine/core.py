@@ -2,8 +2,7 @@
 
 It never sees text: requests arrive built and validated (``LLMEngine.make_requests``), and each step
 reports per request what it computed, sampled and whether it finished (``CoreOutput``). Turning that into
-text is the output processor's job, on whichever thread owns the tokenizer -- the caller's for ``LLM``,
-the tokenizer worker's for the server -- so the thread that runs the model only runs the model.
+text is the output processor's job; ``EngineLoop`` hands one to the other.
 
 Failures stay with their request: if the batched sampler raises, each request is sampled again on its own
 and only the ones that still fail are stopped; the scheduler stops a request whose own update raises. Only
@@ -31,14 +30,16 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler) -> None:
+    def __init__(
+        self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler, kv_events: KVEventPublisher | None = None
+    ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.sampler = sampler
         self._vocab_size = runner.model.spec.vocab_size
         self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedkv-grammar")
         self.history = CounterHistory()  # the cache counters over time, for the KV map
-        self.kv_events: KVEventPublisher | None = None  # set by the engine when KV events are published
+        self.kv_events = kv_events  # where each step's KV events go (None: nowhere)
 
     def add(self, requests: Sequence[Request]) -> None:
         """Queue built requests (the n samples of one prompt together)."""

@@ -1,12 +1,12 @@
-"""EngineThread: the one thread that may touch the EngineCore, and it does nothing but step it.
+"""EngineThread: the one thread that may touch the engine's core and output processor; it runs the loop.
 
-The core (scheduler, KV cache, runner, sampler) is not thread-safe, so everything that reads or changes
-it -- adding requests, stepping, finishing requests -- runs here. Requests arrive tokenized, validated and
-built (on the TokenizerWorker), and each step's token-level outputs leave as they are: detokenizing them
-happens on the worker too, so a huge prompt or a slow detokenization never stalls the step loop. Other
-threads hand commands over through a deque; between steps the thread drains them, then runs one step and
-hands its ``CoreOutput``s to ``on_core_outputs``. With nothing to do it sleeps on an Event instead of
-spinning. After every step it publishes a ``stats()`` snapshot, so ``/metrics`` never calls the engine.
+Neither the core (scheduler, KV cache, runner, sampler) nor the output processor is thread-safe, so
+everything that reads or changes them -- adding requests, stepping, aborting -- runs here, through the
+same ``EngineLoop`` the offline ``LLM`` drives. Requests arrive tokenized, validated and built (on the
+TokenizerWorker, so a huge prompt never stalls the loop). Other threads hand commands over through a
+deque; between steps the thread drains them, then runs one step of the loop and posts its
+RequestOutputs to the event loop. With nothing to do it sleeps on an Event instead of spinning. After
+every step it publishes a ``stats()`` snapshot, so ``/metrics`` never calls the engine.
 
 Supervision: if the thread dies of anything (a ``BaseException`` included), it reports the death once, and
 every command still queued or submitted later has its future settled with EngineStopped -- nobody waits
@@ -23,10 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagedkv.engine.request import INTERNAL_ERROR, CoreOutput, Request
+from pagedkv.engine.request import INTERNAL_ERROR, Request, RequestOutput
 
 if TYPE_CHECKING:
     from pagedkv.engine.core import EngineCore
+    from pagedkv.engine.loop import EngineLoop
+    from pagedkv.engine.output_processor import GroupState
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +43,11 @@ class RequestFailed(Exception):
 
 @dataclass(slots=True)
 class AddCommand:
-    """Queue built requests (all prompts of one API request); ``future`` gets None or the error."""
+    """Queue all prompts of one API request: each prompt's output state and built requests, all or none;
+    ``future`` gets None or the error."""
 
-    requests: list[Request]
+    groups: list[GroupState]
+    requests: list[list[Request]]
     future: asyncio.Future
 
 
@@ -57,36 +61,34 @@ class InspectCommand:
 
 
 @dataclass(slots=True)
-class FinishCommand:
-    """Stop these core requests: an abort, or a stop string the output processor found."""
+class AbortCommand:
+    """Stop these request groups (one per prompt) and forget their output state."""
 
-    request_ids: list[str]
-    reason: str = "abort"
-    stop_reason: str | None = None
+    group_ids: list[str]
 
 
 class EngineThread:
-    """Runs the core. On this thread: ``on_core_outputs(outputs)`` after each step and
-    ``publish_stats(snapshot)`` after each step and whenever it goes idle. On ``loop``:
+    """Runs ``engine``'s loop. On this thread: ``publish_stats(snapshot)`` after each step and whenever it
+    goes idle. On ``loop``: ``on_outputs(outputs)`` after each step that reported any,
     ``on_failure(group_ids, error)`` when requests were stopped without an output, ``on_death(error)`` once
     if the thread dies."""
 
     def __init__(
         self,
-        core: EngineCore,
+        engine: EngineLoop,
         loop: asyncio.AbstractEventLoop,
-        on_core_outputs: Callable[[list[CoreOutput]], None],
+        on_outputs: Callable[[list[RequestOutput]], None],
         on_failure: Callable[[list[str], BaseException], None],
         on_death: Callable[[BaseException], None],
         publish_stats: Callable[[dict[str, float]], None],
     ) -> None:
-        self.core = core
+        self.engine = engine
         self._publish_stats = publish_stats  # called on this thread: a plain assignment, no loop hop
         self._loop = loop
-        self._on_core_outputs = on_core_outputs
+        self._on_outputs = on_outputs
         self._on_failure = on_failure
         self._on_death = on_death
-        self._commands: deque[AddCommand | FinishCommand | InspectCommand] = deque()
+        self._commands: deque[AddCommand | AbortCommand | InspectCommand] = deque()
         self._lock = threading.Lock()  # orders submit() against the thread's death
         self._wake = threading.Event()
         self._stopping = False
@@ -100,7 +102,7 @@ class EngineThread:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping and not self._dead
 
-    def submit(self, command: AddCommand | FinishCommand | InspectCommand) -> None:
+    def submit(self, command: AddCommand | AbortCommand | InspectCommand) -> None:
         with self._lock:
             if not self._dead:
                 self._commands.append(command)
@@ -142,48 +144,48 @@ class EngineThread:
             if self._stopping:
                 self._abort_all()
                 return
-            if not self.core.has_unfinished_requests():
-                self._publish_stats(self.core.stats())
+            if not self.engine.core.has_unfinished_requests():
+                self._publish_stats(self.engine.core.stats())
                 self._wake.wait()
                 self._wake.clear()
                 continue
             try:
-                outputs = self.core.step()
+                outputs = self.engine.step()
             except Exception:
-                # The core stops a failing request (or a failing model step's requests) itself; an
-                # exception that still escapes means its state cannot be trusted: stop everything live.
+                # The core stops a failing request (or a failing model step's requests) itself, the processor
+                # a failing detokenization; an exception that still escapes means their state cannot be
+                # trusted: stop everything live.
                 failed = self._abort_all()
                 logger.exception("engine step failed; aborted %d requests", len(failed))
                 self._post(self._on_failure, failed, RequestFailed(INTERNAL_ERROR))
                 continue
             if outputs:
-                self._on_core_outputs(outputs)
-            self._publish_stats(self.core.stats())
+                self._post(self._on_outputs, outputs)
+            self._publish_stats(self.engine.core.stats())
 
     def _abort_all(self) -> list[str]:
-        """Abort every request the core holds (its registry is the only one); the API requests' group ids."""
-        live = list(self.core.scheduler.requests.values())
-        self.core.finish([r.request_id for r in live], "abort")
-        self._publish_stats(self.core.stats())
-        return list(dict.fromkeys(r.group_id for r in live))
+        """Abort every live request group; their ids."""
+        group_ids = self.engine.abort_all()
+        self._publish_stats(self.engine.core.stats())
+        return group_ids
 
-    def _apply(self, command: AddCommand | FinishCommand | InspectCommand) -> None:
-        if isinstance(command, FinishCommand):
-            self.core.finish(command.request_ids, command.reason, command.stop_reason)
+    def _apply(self, command: AddCommand | AbortCommand | InspectCommand) -> None:
+        if isinstance(command, AbortCommand):
+            for group_id in command.group_ids:
+                self.engine.abort(group_id)
             return
         if isinstance(command, InspectCommand):
             try:
-                result, error = command.read(self.core), None
+                result, error = command.read(self.engine.core), None
             except Exception as exc:  # a reader's bug fails its caller, never the engine
                 logger.exception("inspecting the engine failed")
                 result, error = None, exc
             self._post(_settle, command.future, error, result)
             return
         try:
-            self.core.add(command.requests)
+            self.engine.add(command.groups, command.requests)
         except Exception:
             logger.exception("adding requests failed")
-            self.core.finish([r.request_id for r in command.requests], "abort")
             self._post(_settle, command.future, RequestFailed(INTERNAL_ERROR))
             return
         self._post(_settle, command.future, None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from pagedkv.config import EngineConfig
+from pagedkv.kv.disk_tier import DiskTier
 from pagedkv.kv.hybrid import HybridKVCacheManager
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.model.spec import ModelSpec
@@ -18,18 +19,21 @@ from pagedkv.model.spec import ModelSpec
 logger = logging.getLogger(__name__)
 
 
-def make_kv_manager(config: EngineConfig, spec: ModelSpec, num_blocks: int, world_size: int) -> KVCacheManager:
+def make_kv_manager(
+    config: EngineConfig, spec: ModelSpec, num_blocks: int, world_size: int, disk: DiskTier | None = None
+) -> KVCacheManager:
     """The engine's KV manager. ``num_blocks``: the pool size as if every layer held whole contexts (the
-    ``num_kv_blocks`` option, or what ``kv_cache_memory_gb`` holds); the hybrid manager splits that memory."""
+    ``num_kv_blocks`` option, or what ``kv_cache_memory_gb`` holds); the hybrid manager splits that memory.
+    ``disk``: the disk tier (with ``kv_cache_dir``; the hybrid manager does not take one)."""
     windows = [w for w in spec.layer_windows if w]
     if not windows:
-        return KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        return KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, disk)
     if world_size > 1 or config.kv_cache_dir is not None:
         logger.info(
             "sliding-window layers keep every block of a request here (tensor parallelism and kv_cache_dir do not "
             "take the windowed block group yet): KV memory is that of full attention"
         )
-        return KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        return KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, disk)
     window = max(windows)  # blocks kept for the widest window serve every narrower one
     num_full_layers = spec.num_layers - len(windows)
     if config.num_kv_blocks is not None:

@@ -124,14 +124,6 @@ class OutputProcessor:
             self._samples.pop(sample.request_id, None)
         return [s.request_id for s in group.samples if not s.finished]
 
-    def fail(self, group_id: str) -> RequestOutput:
-        """End a group with "error" (its unfinished samples) and report it."""
-        group = self.groups[group_id]
-        for sample in group.samples:
-            if not sample.finished:
-                sample.finish_reason, sample.stop_reason = "error", None
-        return self._report(group)
-
     def process(self, core_outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[Stop]]:
         """Apply one step's core outputs; the RequestOutputs to report and the requests to stop.
 

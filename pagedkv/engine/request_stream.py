@@ -31,7 +31,6 @@ class RequestStream:
     ) -> None:
         self.request_id = request_id
         self.engine_ids = group_ids  # one per prompt: the RequestOutput's request_id
-        self.sample_ids = [[r.request_id for r in prompt] for prompt in requests]  # the core's ids
         self.n = len(requests[0])
         prompt_lens = [prompt[0].num_prompt_tokens for prompt in requests]
         self.prompt_tokens = sum(prompt_lens)

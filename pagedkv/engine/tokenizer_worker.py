@@ -1,12 +1,11 @@
-"""TokenizerWorker: the server's one thread for text -- prompts in, detokenized outputs out.
+"""TokenizerWorker: the server's one thread for prompts -- text in, built requests out.
 
-The engine thread must only step the engine: tokenizing a long prompt there (seconds for megabytes of text)
-would stall every stream, and so would detokenizing and matching stop strings between steps. The event
-loop must not do it either, or it would stall every connection. And a fast (Rust) tokenizer must not be
-shared across threads: its encode path takes an internal borrow that a second thread trips over ("Already
-borrowed"). So this one thread owns a private copy of the tokenizer and does all text work: it tokenizes
-prompts, renders chat templates, validates and builds the engine requests, and runs the output processor
-on each step's token ids (while the engine thread already computes the next step).
+The engine thread must only run the engine loop: tokenizing a long prompt there (seconds for megabytes of
+text) would stall every stream. The event loop must not do it either, or it would stall every connection.
+And a fast (Rust) tokenizer must not be shared across threads: its encode path takes an internal borrow
+that a second thread trips over ("Already borrowed"). So this one thread owns a private copy of the
+tokenizer: it tokenizes prompts, renders chat templates, and validates and builds the engine requests and
+their output state. Detokenizing is the engine loop's, with the engine's own tokenizer, on the engine thread.
 
 Logprob responses need every sampled token's text on the event loop; the worker decodes the whole
 vocabulary once (a batch decode, ~0.2 s for 49 k tokens) and the loop reads that table.
@@ -20,36 +19,26 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagedkv.engine.grammar_pool import GrammarPool, GrammarsBusy
-from pagedkv.engine.output_processor import OutputProcessor, Stop
+from pagedkv.engine.output_processor import GroupState
 from pagedkv.engine.prompts import EnginePrompt
-from pagedkv.engine.request import CoreOutput, OutputKind, Request, RequestOutput
+from pagedkv.engine.request import OutputKind, Request
 from pagedkv.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagedkv.engine.engine import LLMEngine
 
-logger = logging.getLogger(__name__)
-
 T = TypeVar("T")
 
 
 class TokenizerWorker:
-    def __init__(
-        self,
-        engine: LLMEngine,
-        done: Callable[[list[RequestOutput], list[Stop]], None],
-        grammars: GrammarPool | None = None,
-    ) -> None:
-        self._engine = engine  # only its fixed settings are read here (make_requests)
-        self._done = done  # called on the worker with each step's outputs and stop strings
+    def __init__(self, engine: LLMEngine, grammars: GrammarPool | None = None) -> None:
+        self._engine = engine  # only its fixed settings are read here (make_requests, make_group)
         self._tokenizer = copy.deepcopy(engine.tokenizer)
-        self.processor = OutputProcessor(self._tokenizer)  # touched on the worker thread only
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedkv-tokenizer")
         self._token_texts: Future[list[str]] | None = None
         self.grammars = grammars or GrammarPool(engine.grammars)  # compiles off this thread (issue 25 row 3)
@@ -61,10 +50,10 @@ class TokenizerWorker:
         params: SamplingParams,
         cache_salt: str | None,
         output_kind: OutputKind,
-    ) -> list[list[Request]]:
-        """Tokenize, validate and build every prompt's requests and register their output state, all or
-        none; the requests of each prompt. ValueError (a 400) if one cannot be, EngineOverloaded (a 503) if
-        its grammar could not even start compiling in time."""
+    ) -> tuple[list[GroupState], list[list[Request]]]:
+        """Tokenize, validate and build every prompt's requests and output state (``EngineLoop.add`` takes
+        both), all or none. ValueError (a 400) if one cannot be, EngineOverloaded (a 503) if its grammar
+        could not even start compiling in time."""
         spec = params.structured_outputs
         try:
             template = None if spec is None else await self.grammars.compile(spec)
@@ -73,34 +62,17 @@ class TokenizerWorker:
 
             raise EngineOverloaded(str(exc)) from exc
 
-        def build() -> list[list[Request]]:  # on the worker
+        def build() -> tuple[list[GroupState], list[list[Request]]]:  # on the worker
             requests, groups = [], []
             with self._engine.grammars.holding(spec, template):  # copies of the compiled grammar, no compile
                 for group_id, prompt in zip(group_ids, prompts, strict=True):
                     token_ids = prompt.token_ids(self._tokenizer)
                     built = self._engine.make_requests(group_id, token_ids, params, cache_salt)
-                    groups.append(self.processor.make_group(built, prompt.prompt, output_kind))
+                    groups.append(self._engine.processor.make_group(built, prompt.prompt, output_kind))
                     requests.append(built)
-            for group in groups:
-                self.processor.add(group)
-            return requests
+            return groups, requests
 
         return await asyncio.wrap_future(self._pool.submit(build))
-
-    def process(self, outputs: list[CoreOutput]) -> None:
-        """Detokenize one step's outputs on the worker (in step order), then call ``done`` there."""
-        self._submit(self._process, outputs)
-
-    def abort(self, group_ids: list[str]) -> None:
-        """Forget these requests' output state (on the worker, after everything submitted before)."""
-        self._submit(self._abort, group_ids)
-
-    def _submit(self, job: Callable, *args: object) -> None:
-        """Fire and forget; after ``close`` there is nothing left to do it for."""
-        try:
-            self._pool.submit(job, *args)
-        except RuntimeError:
-            logger.debug("tokenizer worker closed; dropped %s", job)
 
     async def token_texts(self) -> list[str]:
         """Each token id's text (skip_special_tokens=False, no clean-up), decoded once on first use."""
@@ -121,19 +93,6 @@ class TokenizerWorker:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.grammars.close()
-
-    def _process(self, outputs: list[CoreOutput]) -> None:
-        try:
-            results, stops = self.processor.process(outputs)
-        except Exception:  # the processor guards each request; this is a bug: fail what it holds, stay up
-            logger.exception("the output processor failed; stopping every request it holds")
-            stops = [Stop(s.request_id, "error") for g in self.processor.groups.values() for s in g.samples]
-            results = [self.processor.fail(group_id) for group_id in list(self.processor.groups)]
-        self._done(results, stops)
-
-    def _abort(self, group_ids: list[str]) -> None:
-        for group_id in group_ids:
-            self.processor.abort(group_id)
 
     def _decode_vocabulary(self) -> list[str]:
         backend = getattr(self._tokenizer, "backend_tokenizer", None)

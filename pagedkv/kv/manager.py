@@ -50,7 +50,9 @@ class PrefixHit:
 class KVCacheManager:
     """Block tables for requests; free blocks include cached ones nobody holds (evictable any time)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, disk: DiskTier | None = None
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -61,7 +63,7 @@ class KVCacheManager:
         self._num_keyed: dict[str, int] = {}
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
-        self.disk: DiskTier | None = None  # set by the engine with kv_cache_dir
+        self.disk = disk  # the disk tier, with kv_cache_dir
         self.events: KVEventRecorder | None = None  # set by the engine while KV events are published
 
     def record_events(self, recorder: KVEventRecorder | None) -> None:

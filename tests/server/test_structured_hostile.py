@@ -1,6 +1,6 @@
 """Structured-output specs against a live server (issue 25 rows 3 and 4), loopback only, bounded in time.
 
-Row 3: grammars compiled on the tokenizer worker, the thread that also detokenizes every stream, so eight
+Row 3: grammars compiled on the tokenizer worker, the thread that then also detokenized every stream, so eight
 distinct ~55 KB schemas froze another client's stream for 11-24 s. Now they compile on a pool of their own:
 a victim streaming meanwhile keeps its pace (largest gap between events <= 3x its median + 0.5 s) and its
 text, a compile past the time limit is a 400 naming the field and the limit, and a spec is compiled once.

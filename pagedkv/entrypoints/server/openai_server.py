@@ -229,6 +229,13 @@ class DrainingServer(uvicorn.Server):
         await self.config.app.state.async_engine.shutdown(drain_s=GRACEFUL_SHUTDOWN_S)
         await super().shutdown(sockets=sockets)
 
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn asks this every 0.1 s whether to exit: also once the engine thread has died."""
+        if self.config.app.state.async_engine.failed and not self.should_exit:
+            logger.critical("the engine thread died: shutting the server down (exit code 1)")
+            self.should_exit = True
+        return await super().on_tick(counter)
+
 
 def serve(args: argparse.Namespace, engine_kwargs: dict) -> int:
     """Load the engine, serve until SIGINT / SIGTERM, and return 0 after a clean shutdown.
@@ -255,15 +262,9 @@ def serve(args: argparse.Namespace, engine_kwargs: dict) -> int:
     return run_server(server)
 
 
-def run_server(server: uvicorn.Server) -> int:
+def run_server(server: DrainingServer) -> int:
     """Run uvicorn until a signal or the engine thread's death; the process exit code."""
     async_engine: AsyncEngine = server.config.app.state.async_engine
-
-    def engine_died() -> None:
-        logger.critical("the engine thread died: shutting the server down (exit code 1)")
-        server.should_exit = True
-
-    async_engine.on_death = engine_died
     # uvicorn re-raises the signal it handled once it has shut down; by then the shutdown was clean,
     # so a handler that ignores it lets us return 0 instead of dying of the signal.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
