@@ -159,14 +159,14 @@ class AsyncEngine:
         self._admit(sequences)
         group_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
-        groups, requests = await self.tokenizer.prepare(group_ids, prompts, params, cache_salt, kind)
+        requests = await self.tokenizer.prepare(group_ids, prompts, params, cache_salt)
         self._admit(sequences)  # preparing took time: look again before queueing
         request = RequestStream(self, request_id, group_ids, requests)
         for index, engine_id in enumerate(request.engine_ids):
             self._routes[engine_id] = (request, index)
         self._num_sequences += sequences
         future = asyncio.get_running_loop().create_future()
-        self._thread.submit(AddCommand(groups, requests, future))
+        self._thread.submit(AddCommand(requests, [p.prompt for p in prompts], kind, future))
         try:
             await future
         except asyncio.CancelledError:

@@ -23,12 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagedkv.engine.request import INTERNAL_ERROR, Request, RequestOutput
+from pagedkv.engine.request import INTERNAL_ERROR, OutputKind, Request, RequestOutput
 
 if TYPE_CHECKING:
     from pagedkv.engine.core import EngineCore
     from pagedkv.engine.loop import EngineLoop
-    from pagedkv.engine.output_processor import GroupState
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +42,12 @@ class RequestFailed(Exception):
 
 @dataclass(slots=True)
 class AddCommand:
-    """Queue all prompts of one API request: each prompt's output state and built requests, all or none;
-    ``future`` gets None or the error."""
+    """Queue all prompts of one API request (each prompt's built requests and text), all or none; ``future``
+    gets None or the error."""
 
-    groups: list[GroupState]
     requests: list[list[Request]]
+    prompts: list[str | None]
+    output_kind: OutputKind
     future: asyncio.Future
 
 
@@ -183,7 +183,7 @@ class EngineThread:
             self._post(_settle, command.future, error, result)
             return
         try:
-            self.engine.add(command.groups, command.requests)
+            self.engine.add(command.requests, command.prompts, command.output_kind)
         except Exception:
             logger.exception("adding requests failed")
             self._post(_settle, command.future, RequestFailed(INTERNAL_ERROR))

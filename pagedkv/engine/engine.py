@@ -65,7 +65,7 @@ class LLMEngine:
                 raise InvalidParameter("prompt", "give a prompt or prompt_token_ids")
             prompt_token_ids = self.encode(prompt)
         requests = self.make_requests(request_id, prompt_token_ids, params, cache_salt)
-        self.loop.add([self.processor.make_group(requests, prompt, output_kind)], [requests])
+        self.loop.add([requests], [prompt], output_kind)
         return request_id
 
     def make_requests(

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pagedkv.engine.core import EngineCore
-from pagedkv.engine.output_processor import GroupState, OutputProcessor
-from pagedkv.engine.request import Request, RequestOutput
+from pagedkv.engine.output_processor import OutputProcessor
+from pagedkv.engine.request import OutputKind, Request, RequestOutput
 
 
 class EngineLoop:
@@ -22,16 +22,18 @@ class EngineLoop:
         self.core = core
         self.processor = processor
 
-    def add(self, groups: Sequence[GroupState], requests: Sequence[Sequence[Request]]) -> None:
-        """Register each prompt's output state (``processor.make_group``) and queue its built requests, all
+    def add(self, requests: Sequence[list[Request]], prompts: Sequence[str | None], output_kind: OutputKind) -> None:
+        """Give each prompt's built requests (``LLMEngine.make_requests``) their output state and queue them, all
         prompts or none (the server adds all prompts of one API request at once)."""
+        added: list[str] = []
         try:
-            for group, group_requests in zip(groups, requests, strict=True):
-                self.processor.add(group)
-                self.core.add(group_requests)
+            for prompt_requests, prompt in zip(requests, prompts, strict=True):
+                self.processor.add(self.processor.make_group(prompt_requests, prompt, output_kind))
+                added.append(prompt_requests[0].group_id)
+                self.core.add(prompt_requests)
         except BaseException:
-            for group in groups:
-                self.abort(group.group_id)
+            for group_id in added:
+                self.abort(group_id)
             raise
 
     def abort(self, group_id: str) -> bool:

@@ -4,8 +4,8 @@ The engine thread must only run the engine loop: tokenizing a long prompt there 
 text) would stall every stream. The event loop must not do it either, or it would stall every connection.
 And a fast (Rust) tokenizer must not be shared across threads: its encode path takes an internal borrow
 that a second thread trips over ("Already borrowed"). So this one thread owns a private copy of the
-tokenizer: it tokenizes prompts, renders chat templates, and validates and builds the engine requests and
-their output state. Detokenizing is the engine loop's, with the engine's own tokenizer, on the engine thread.
+tokenizer: it tokenizes prompts, renders chat templates, and validates and builds the engine requests.
+Detokenizing is the engine loop's, with the engine's own tokenizer, on the engine thread.
 
 Logprob responses need every sampled token's text on the event loop; the worker decodes the whole
 vocabulary once (a batch decode, ~0.2 s for 49 k tokens) and the loop reads that table.
@@ -24,9 +24,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagedkv.engine.grammar_pool import GrammarPool, GrammarsBusy
-from pagedkv.engine.output_processor import GroupState
 from pagedkv.engine.prompts import EnginePrompt
-from pagedkv.engine.request import OutputKind, Request
+from pagedkv.engine.request import Request
 from pagedkv.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -37,7 +36,7 @@ T = TypeVar("T")
 
 class TokenizerWorker:
     def __init__(self, engine: LLMEngine, grammars: GrammarPool | None = None) -> None:
-        self._engine = engine  # only its fixed settings are read here (make_requests, make_group)
+        self._engine = engine  # only its fixed settings are read here (make_requests)
         self._tokenizer = copy.deepcopy(engine.tokenizer)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedkv-tokenizer")
         self._token_texts: Future[list[str]] | None = None
@@ -49,11 +48,10 @@ class TokenizerWorker:
         prompts: list[EnginePrompt],
         params: SamplingParams,
         cache_salt: str | None,
-        output_kind: OutputKind,
-    ) -> tuple[list[GroupState], list[list[Request]]]:
-        """Tokenize, validate and build every prompt's requests and output state (``EngineLoop.add`` takes
-        both), all or none. ValueError (a 400) if one cannot be, EngineOverloaded (a 503) if its grammar
-        could not even start compiling in time."""
+    ) -> list[list[Request]]:
+        """Tokenize, validate and build every prompt's requests, all or none; the requests of each prompt.
+        ValueError (a 400) if one cannot be, EngineOverloaded (a 503) if its grammar could not even start
+        compiling in time."""
         spec = params.structured_outputs
         try:
             template = None if spec is None else await self.grammars.compile(spec)
@@ -62,15 +60,12 @@ class TokenizerWorker:
 
             raise EngineOverloaded(str(exc)) from exc
 
-        def build() -> tuple[list[GroupState], list[list[Request]]]:  # on the worker
-            requests, groups = [], []
+        def build() -> list[list[Request]]:  # on the worker
             with self._engine.grammars.holding(spec, template):  # copies of the compiled grammar, no compile
-                for group_id, prompt in zip(group_ids, prompts, strict=True):
-                    token_ids = prompt.token_ids(self._tokenizer)
-                    built = self._engine.make_requests(group_id, token_ids, params, cache_salt)
-                    groups.append(self._engine.processor.make_group(built, prompt.prompt, output_kind))
-                    requests.append(built)
-            return groups, requests
+                return [
+                    self._engine.make_requests(group_id, prompt.token_ids(self._tokenizer), params, cache_salt)
+                    for group_id, prompt in zip(group_ids, prompts, strict=True)
+                ]
 
         return await asyncio.wrap_future(self._pool.submit(build))
 

@@ -29,12 +29,14 @@ def make_loop(**scheduler_options) -> EngineLoop:
     return EngineLoop(core, OutputProcessor(TOKENIZER))
 
 
-def build(loop: EngineLoop, *names: str, kind: OutputKind = OutputKind.FINAL_ONLY, **params):
-    """The output states and (single-sample, greedy) requests of these prompts, not yet added: the arguments
-    of ``EngineLoop.add``."""
+def build(*names: str, **params) -> list[list[Request]]:
+    """The built (single-sample, greedy) requests of these prompts, as ``LLMEngine.make_requests`` makes them."""
     sampling = SamplingParams(temperature=0.0, **params)
-    requests = [[Request(name, name, 0, list(PROMPTS[name]), len(PROMPTS[name]), sampling)] for name in names]
-    return [loop.processor.make_group(r, None, kind) for r in requests], requests
+    return [[Request(name, name, 0, list(PROMPTS[name]), len(PROMPTS[name]), sampling)] for name in names]
+
+
+def add(loop: EngineLoop, *names: str, kind: OutputKind = OutputKind.FINAL_ONLY, **params) -> None:
+    loop.add(build(*names, **params), [None] * len(names), kind)
 
 
 def run(loop: EngineLoop, max_steps: int = 200) -> dict[str, RequestOutput]:
@@ -53,7 +55,7 @@ def reference_text(name: str, max_tokens: int) -> str:
 
 def test_the_loop_turns_each_request_into_the_text_of_the_reference():
     loop = make_loop()
-    loop.add(*build(loop, *PROMPTS, max_tokens=12))
+    add(loop, *PROMPTS, max_tokens=12)
     final = run(loop)
     assert {name: out.outputs[0].text for name, out in final.items()} == {n: reference_text(n, 12) for n in PROMPTS}
     assert {out.outputs[0].finish_reason for out in final.values()} == {"length"}
@@ -65,8 +67,8 @@ def test_a_stop_string_finishes_its_request_in_the_core_in_the_same_step():
     loop = make_loop()
     text = reference_text("a", 30)
     stop = text[6:9]
-    loop.add(*build(loop, "a", max_tokens=30, stop=[stop]))
-    loop.add(*build(loop, "b", max_tokens=30))
+    add(loop, "a", max_tokens=30, stop=[stop])
+    add(loop, "b", max_tokens=30)
     for _ in range(100):
         finished = [out for out in loop.step() if out.finished]
         if finished:
@@ -81,12 +83,12 @@ def test_a_stop_string_finishes_its_request_in_the_core_in_the_same_step():
 
 def test_an_abort_takes_the_group_out_of_both_registries():
     loop = make_loop()
-    loop.add(*build(loop, *PROMPTS, max_tokens=40))
+    add(loop, *PROMPTS, max_tokens=40)
     loop.step()
     assert loop.abort("b") and not loop.abort("b") and not loop.abort("no-such-request")
     assert "b" not in loop.processor.groups and "b" not in loop.core.scheduler.requests
     assert set(run(loop)) == {"a", "c"}
-    loop.add(*build(loop, "a", "c", max_tokens=40))
+    add(loop, "a", "c", max_tokens=40)
     loop.step()
     assert sorted(loop.abort_all()) == ["a", "c"]
     assert not loop.processor.groups and not loop.core.has_unfinished_requests()
@@ -104,14 +106,14 @@ def test_prompts_are_added_all_or_none(monkeypatch):
 
     monkeypatch.setattr(loop.core.scheduler, "add", refuse_b)
     with pytest.raises(RuntimeError, match="refused"):
-        loop.add(*build(loop, *PROMPTS))
+        add(loop, *PROMPTS)
     assert not loop.processor.groups and not loop.core.has_unfinished_requests()  # "a" went in first, and out again
     assert_nothing_held(loop.core.scheduler)
 
 
 def test_the_server_s_engine_thread_reports_what_the_offline_loop_reports():
     offline = make_loop()
-    offline.add(*build(offline, *PROMPTS, kind=OutputKind.DELTA, max_tokens=10))
+    add(offline, *PROMPTS, kind=OutputKind.DELTA, max_tokens=10)
     expected: dict[str, str] = {}
     for _ in range(100):
         for out in offline.step():
@@ -133,7 +135,8 @@ def test_the_server_s_engine_thread_reports_what_the_offline_loop_reports():
         thread = EngineThread(served, asyncio.get_running_loop(), deliver, print, print, lambda stats: None)
         thread.start()
         added = asyncio.get_running_loop().create_future()
-        thread.submit(AddCommand(*build(served, *PROMPTS, kind=OutputKind.DELTA, max_tokens=10), added))
+        requests = build(*PROMPTS, max_tokens=10)
+        thread.submit(AddCommand(requests, [None] * len(requests), OutputKind.DELTA, added))
         await added
         await asyncio.wait_for(done.wait(), 30)
         assert await asyncio.to_thread(thread.stop, 5)
