@@ -39,6 +39,7 @@ FAST_FILES = {
     "engine/test_core.py": 0.0,
     "engine/test_detokenizer.py": 4.8,
     "engine/test_fair_scheduling.py": 6.6,
+    "engine/test_loop.py": 0.5,
     "engine/test_output_processor.py": 0.0,
     "engine/test_runner.py": 3.2,
     "engine/test_scheduler.py": 0.0,
