@@ -2,8 +2,6 @@
 
 Every part gets what it needs in its constructor, in dependency order (workers, model, disk tier, KV
 manager, scheduler, runner, core, output processor), so no part is finished by someone else afterwards.
-The offline ``LLMEngine`` and the server's ``AsyncEngine`` drive the same parts through one
-``EngineLoop``; this module only builds them.
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ from pagedkv.model.loader import LoadedModel, default_model_path, load_model, mo
 from pagedkv.parallel import workers
 from pagedkv.parallel.group import SINGLE
 from pagedkv.sampler import Sampler
-from pagedkv.structured import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +45,6 @@ class EngineParts:
     processor: OutputProcessor  # the text side: detokenizing, stop strings, RequestOutputs
     runner: ModelRunner  # the model, its KV pools and the other tensor-parallel ranks (runner.workers)
     loaded: LoadedModel  # the tokenizer, the HF config, the end-of-sequence ids, the resolved path and format
-    grammars: GrammarCompiler  # structured outputs' grammars, compiled once per spec
-    disk: DiskTier | None  # the prefix cache's disk tier (kv_cache_dir)
 
 
 def build_engine(config: EngineConfig) -> EngineParts:
@@ -102,9 +97,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     core = EngineCore(scheduler, runner, Sampler(eos_token_ids=eos_token_ids), kv_events)
     for part in (p for p in (ranks, disk, kv_events) if p is not None):  # at exit too: queued disk writes finish
         weakref.finalize(core, part.close)
-    grammars = GrammarCompiler(loaded.tokenizer, loaded.hf_config.vocab_size, sorted(eos_token_ids))
     _log_ready(config, runner, loaded.path, max_model_len, use_kernels)
-    return EngineParts(core, OutputProcessor(loaded.tokenizer), runner, loaded, grammars, disk)
+    return EngineParts(core, OutputProcessor(loaded.tokenizer), runner, loaded)
 
 
 def _start_workers(config: EngineConfig) -> workers.Workers | None:

@@ -42,8 +42,7 @@ class RequestFailed(Exception):
 
 @dataclass(slots=True)
 class AddCommand:
-    """Queue all prompts of one API request (each prompt's built requests and text), all or none; ``future``
-    gets None or the error."""
+    """Queue all prompts of one API request, all or none; ``future`` gets None or the error."""
 
     requests: list[list[Request]]
     prompts: list[str | None]

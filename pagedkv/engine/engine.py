@@ -21,6 +21,7 @@ from pagedkv.errors import InvalidParameter
 from pagedkv.kv.events import KVEventBatch, KVEventRecorder
 from pagedkv.sampler import make_generator
 from pagedkv.sampling_params import SamplingParams
+from pagedkv.structured import GrammarCompiler
 
 
 class LLMEngine:
@@ -29,13 +30,13 @@ class LLMEngine:
         parts = build_engine(config)
         self.core, self.processor, self.runner = parts.core, parts.processor, parts.runner
         self.loop = EngineLoop(parts.core, parts.processor)
-        self.grammars, self.disk = parts.grammars, parts.disk
         # what callers read: the model's facts and the parts inside the core and the runner
         self.tokenizer, self.hf_config = parts.loaded.tokenizer, parts.loaded.hf_config
         self.model_path, self.scheduler = parts.loaded.path, self.core.scheduler
         self.kv, self.max_model_len = self.scheduler.kv, self.scheduler.max_model_len
-        self.eos_token_ids = self.scheduler.eos_token_ids
+        self.eos_token_ids, self.disk = self.scheduler.eos_token_ids, self.kv.disk
         self.workers, self.attention = self.runner.workers, self.runner.model.attention
+        self.grammars = GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, sorted(self.eos_token_ids))
         self._ids = itertools.count()
 
     # -- requests -------------------------------------------------------------------------------------

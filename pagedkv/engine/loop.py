@@ -3,9 +3,8 @@
 One ``step()``: ``EngineCore.step`` (schedule, run the model, sample, advance: token ids) ->
 ``OutputProcessor.process`` (detokenize, stop strings, the callers' RequestOutputs) -> the requests whose
 stop string completed are finished in the core at once, so no later step computes tokens nobody reads.
-The loop also keeps the core's registry and the processor's in step: a request group enters both or
-neither, and an abort takes it out of both. ``LLMEngine`` runs it on the caller's thread; the server runs
-it on its engine thread (``core_thread``), the only thread that then touches the core or the processor.
+It keeps the core's registry and the processor's in step (a group enters both or neither; an abort takes
+it out of both). ``LLMEngine`` runs it on the caller's thread, the server on its engine thread (``core_thread``).
 """
 
 from __future__ import annotations
