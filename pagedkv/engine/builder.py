@@ -58,7 +58,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     torch.set_num_threads(workers.rank_threads(config))
     attention = select_backend(config.attention_backend)
     use_kernels = kernels.use_kernels(config.kernels)
-    ranks = _start_workers(config)
+    ranks, disk = _start_workers(config), None
     try:
         tp = SINGLE if ranks is None else ranks.tp
         loaded = load_model(config.model, config.weight_format, attention, use_kernels, tp, config.max_model_len)
@@ -84,9 +84,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
         if ranks is not None:
             tp.broadcast(torch.tensor([num_blocks]), idle=True)  # each worker's pool: its KV heads, every block
         runner = ModelRunner(model, kv, tp, ranks, kv_dtype)
-    except BaseException:
-        if ranks is not None:
-            ranks.close()
+    except BaseException:  # nothing started is left running
+        for part in (p for p in (ranks, disk) if p is not None):
+            part.close()
         raise
     if disk is not None:
         disk.attach(runner.kv_caches)
