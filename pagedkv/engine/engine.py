@@ -32,7 +32,7 @@ class LLMEngine:
         self.loop = EngineLoop(parts.core, parts.processor)
         # what callers read: the model's facts and the parts inside the core and the runner
         self.tokenizer, self.hf_config = parts.loaded.tokenizer, parts.loaded.hf_config
-        self.model_path, self.scheduler = parts.loaded.path, self.core.scheduler
+        self.model_path, self.scheduler, self.kv_events = parts.loaded.path, self.core.scheduler, self.core.kv_events
         self.kv, self.max_model_len = self.scheduler.kv, self.scheduler.max_model_len
         self.eos_token_ids, self.disk = self.scheduler.eos_token_ids, self.kv.disk
         self.workers, self.attention = self.runner.workers, self.runner.model.attention
@@ -179,7 +179,7 @@ class LLMEngine:
         returns the function that unsubscribes. It runs on the engine's thread: keep it short."""
         if self.kv.events is None:
             self.kv.record_events(KVEventRecorder(self.config.block_size))
-        return self.core.kv_events.subscribe(callback)
+        return self.kv_events.subscribe(callback)
 
     def stats(self) -> dict[str, float]:
         return self.core.stats()
@@ -187,7 +187,7 @@ class LLMEngine:
     def close(self) -> None:
         """Finish the disk tier's queued writes and stop the tensor-parallel workers, if any (also done when
         the engine is garbage-collected, and at exit)."""
-        for part in (self.disk, self.core.kv_events, self.workers):
+        for part in (self.disk, self.kv_events, self.workers):
             if part is not None:
                 part.close()
 

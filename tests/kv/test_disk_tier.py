@@ -377,7 +377,7 @@ def test_a_refused_kv_cache_dir_fails_before_the_model_loads(tiny, tmp_path, mon
     def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded before kv_cache_dir was checked")
 
-    monkeypatch.setattr("pagedkv.engine.engine.load_model", no_model)
+    monkeypatch.setattr("pagedkv.engine.builder.load_model", no_model)
     kv_dir = tmp_path / "kv"
     _refuse_as(kv_dir, problem)
     with pytest.raises(OSError, match=reason) as refused:

@@ -278,7 +278,7 @@ def test_a_refused_endpoint_fails_before_the_model_loads(tiny, monkeypatch):
     def load_model(*_, **__):
         raise AssertionError("the model loaded before the endpoint was checked")
 
-    monkeypatch.setattr("pagedkv.engine.engine.load_model", load_model)
+    monkeypatch.setattr("pagedkv.engine.builder.load_model", load_model)
     with pytest.raises(ValueError, match="kv_events_allow_remote"):
         LLM(model=tiny, kv_events_endpoint="tcp://0.0.0.0:0")
 
