@@ -38,13 +38,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from pagedkv.kv.block_directory import BLOCKS_DIR, SUFFIX, BlockDirectory, UntrustedFile
+from pagedkv.kv.block_directory import SUFFIX, BlockDirectory
 from pagedkv.kv.disk_files import MAX_HEADER, CorruptBlockFile, decode_block, encode_block
 from pagedkv.kv.hashing import BlockKey
 
 logger = logging.getLogger(__name__)
-
-__all__ = ["BLOCKS_DIR", "SUFFIX", "CorruptBlockFile", "DiskTier", "UntrustedFile"]
 
 MAX_QUEUED_BYTES = 64 << 20  # K/V copies waiting for the writer; beyond this a write is dropped
 

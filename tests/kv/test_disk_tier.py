@@ -21,8 +21,11 @@ import torch
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.config import EngineConfig
+from pagedkv.kv.block_directory import SUFFIX
+from pagedkv.kv.cache_dir import BLOCKS_DIR
+from pagedkv.kv.disk_files import CorruptBlockFile
 from pagedkv.kv.disk_fingerprint import engine_fingerprint
-from pagedkv.kv.disk_tier import BLOCKS_DIR, SUFFIX, CorruptBlockFile, DiskTier
+from pagedkv.kv.disk_tier import DiskTier
 from pagedkv.kv.hashing import extend_block_keys
 from tests.tiny_model import save_tiny_llama
 
