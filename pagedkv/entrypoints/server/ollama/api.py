@@ -85,6 +85,19 @@ class ModelFacts:
             "details": self.details,
         }
 
+    def shown(self) -> dict[str, Any]:
+        """The model as /api/show describes it."""
+        return {
+            "modelfile": "",
+            "parameters": "\n".join(f"{k} {v}" for k, v in OLLAMA_DEFAULTS.items()),
+            "template": self.template,  # the model's Jinja chat template (Ollama's own are Go templates)
+            "details": self.details,
+            "model_info": self.model_info,
+            # tools: in the template's format or the generic one; embedding: /api/embed pools the hidden states
+            "capabilities": ["completion", "tools", "embedding"],
+            "modified_at": self.modified_at,
+        }
+
 
 def model_facts(engine: LLMEngine, name: str) -> ModelFacts:
     path = Path(str(engine.model_path))
@@ -185,18 +198,7 @@ def add_ollama_routes(app: FastAPI, ctx: ServingContext, bodies: BodyParser, eng
     async def ollama_show(request: Request) -> JSONResponse:
         body = await bodies.parse(request, OllamaShowRequest)
         check_model(ctx, body.model)
-        return JSONResponse(
-            {
-                "modelfile": "",
-                "parameters": "\n".join(f"{k} {v}" for k, v in OLLAMA_DEFAULTS.items()),
-                "template": facts.template,  # the model's Jinja chat template (Ollama's own are Go templates)
-                "details": facts.details,
-                "model_info": facts.model_info,
-                # tools: in the template's format or the generic one; embedding: /api/embed pools the hidden states
-                "capabilities": ["completion", "tools", "embedding"],
-                "modified_at": facts.modified_at,
-            }
-        )
+        return JSONResponse(facts.shown())
 
     @app.get("/api/version")
     async def ollama_version() -> JSONResponse:
