@@ -4,10 +4,13 @@ pyproject.toml holds the package's metadata; this file only adds the build of th
 ``pagedkv/_lib/`` (plain shared libraries that register ``torch.ops.pagedkv`` ops, loaded with
 ``torch.ops.load_library``, not Python modules):
 
-- ``pagedkv_ops_v3.so``: the portable ops for x86-64-v3 (AVX2, FMA, F16C, BMI2: Haswell / Zen 1 on);
+- ``pagedkv_ops_v2.so``: the portable ops for x86-64-v2 (SSE4.2, POPCNT: Nehalem / Bulldozer on), the baseline
+  that lets the wheel's compiled attention and norms run on any x86-64 CPU of the last fifteen years;
+- ``pagedkv_ops_v3.so``: the same for x86-64-v3 (AVX2, FMA, F16C, BMI2: Haswell / Zen 1 on);
 - ``pagedkv_ops_v4.so``: the same for x86-64-v4 (AVX-512 F/BW/CD/DQ/VL), where the compiler knows it;
 - ``pagedkv_gemm_v3.so``: the panel GEMM for x86-64-v3, whose AVX-512 register kernels carry their own
-  ``target("avx512f")`` attributes and are picked at run time, so one build serves both.
+  ``target("avx512f")`` attributes and are picked at run time, so one build serves both (as do the int8 GEMM's
+  AVX512-VNNI kernels, picked by ``__builtin_cpu_supports``). A v2 CPU has no GEMM: torch's runs.
 
 ``manifest.json`` beside them names the torch they were built against: the loader uses them only with that
 torch (the C++ ABI), and otherwise compiles on first use as a development checkout does; the wheel's metadata
@@ -44,6 +47,7 @@ CFLAGS = ["-O3", "-mtune=generic", "-fopenmp", "-g0"]
 LDFLAGS = ["-fopenmp"]
 # (library, variant, -march, sources)
 LIBRARIES = [
+    ("pagedkv_ops", "v2", "x86-64-v2", PORTABLE),
     ("pagedkv_ops", "v3", "x86-64-v3", PORTABLE),
     ("pagedkv_ops", "v4", "x86-64-v4", PORTABLE),
     ("pagedkv_gemm", "v3", "x86-64-v3", GEMM),

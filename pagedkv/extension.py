@@ -1,7 +1,7 @@
 """The C++ libraries of :mod:`pagedkv.kernels`: prebuilt in a wheel, else compiled on first use and cached.
 
-An installed wheel ships them in ``pagedkv/_lib/`` (``setup.py`` builds them: the portable ops for x86-64-v3 and
-x86-64-v4, the GEMM for x86-64-v3), with a ``manifest.json`` naming the torch they were built against;
+An installed wheel ships them in ``pagedkv/_lib/`` (``setup.py`` builds them: the portable ops for x86-64-v2, -v3
+and -v4, the GEMM for x86-64-v3), with a ``manifest.json`` naming the torch they were built against;
 :func:`prebuilt_libraries` and :func:`cpu_level` pick the variant for this CPU. A development checkout has no
 ``_lib`` and compiles them with ``-march=native`` on first use, as below.
 
@@ -63,21 +63,24 @@ def cpu_flags() -> str:
         return ""
 
 
-V3_FLAGS = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2"})  # x86-64-v3 (also LZCNT, MOVBE: every such CPU)
-V4_FLAGS = frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})  # x86-64-v4 on top of v3
-LEVEL_NAMES = {"v3": "x86-64-v3 (AVX2 + FMA)", "v4": "x86-64-v4 (AVX-512)"}
+# x86-64-v2: SSE3 (cpuinfo's "pni"), SSSE3, SSE4.1/4.2, POPCNT, CMPXCHG16B, LAHF (Nehalem / Bulldozer on)
+V2_FLAGS = frozenset({"pni", "ssse3", "sse4_1", "sse4_2", "popcnt", "cx16", "lahf_lm"})
+V3_FLAGS = V2_FLAGS | {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2"}  # x86-64-v3 (also LZCNT, MOVBE: every such CPU)
+V4_FLAGS = V3_FLAGS | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}  # x86-64-v4
+LEVEL_NAMES = {"v2": "x86-64-v2 (SSE4.2)", "v3": "x86-64-v3 (AVX2 + FMA)", "v4": "x86-64-v4 (AVX-512)"}
 MANIFEST = "manifest.json"
 
 
 def cpu_level(flags: str | None = None) -> str | None:
-    """``"v4"``, ``"v3"`` or None: the highest x86-64 level whose prebuilt kernels this CPU runs.
+    """``"v4"``, ``"v3"``, ``"v2"`` or None: the highest x86-64 level whose prebuilt kernels this CPU runs.
 
     ``flags`` is /proc/cpuinfo's flags line (read if not given).
     """
     have = set((cpu_flags() if flags is None else flags).split())
-    if not have >= V3_FLAGS:
-        return None
-    return "v4" if have >= V4_FLAGS else "v3"
+    for level, needs in (("v4", V4_FLAGS), ("v3", V3_FLAGS), ("v2", V2_FLAGS)):
+        if have >= needs:
+            return level
+    return None
 
 
 def prebuilt_directory() -> Path:

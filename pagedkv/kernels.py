@@ -9,9 +9,9 @@
   loses only this library: the linear layers run on torch's GEMM and everything else stays compiled.
 
 Where they come from (:func:`kernel_choice`): an installed wheel ships them prebuilt (``pagedkv/_lib``, see
-``setup.py``) and the variant for this CPU is loaded, x86-64-v4 (AVX-512) or x86-64-v3 (AVX2 + FMA); a
-development checkout compiles them with ``-march=native`` on first use. ``$PAGEDKV_KERNEL_VARIANT`` forces one
-(``v4``, ``v3``, ``jit`` or ``none``).
+``setup.py``) and the variant for this CPU is loaded, x86-64-v4 (AVX-512), x86-64-v3 (AVX2 + FMA) or x86-64-v2
+(SSE4.2: the portable ops only, the GEMM needs v3); a development checkout compiles them with ``-march=native`` on
+first use. ``$PAGEDKV_KERNEL_VARIANT`` forces one (``v4``, ``v3``, ``v2``, ``jit`` or ``none``).
 
 Every op registers in one namespace, ``torch.ops.pagedkv``; their Python faces are :mod:`pagedkv.kernel_ops`.
 Where a library cannot be built, the engine runs torch's ops, which the tests hold to the same numbers.
@@ -52,10 +52,12 @@ ENV_VAR = "PAGEDKV_KERNELS"
 CFLAGS = ("-O3", "-march=native", "-mtune=generic", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 VARIANT_ENV = "PAGEDKV_KERNEL_VARIANT"
-VARIANTS = ("v4", "v3", "jit", "none")  # prebuilt for x86-64-v4 / -v3, compiled here on first use, torch's ops
+VARIANTS = ("v4", "v3", "v2", "jit", "none")  # prebuilt for x86-64-v4 / -v3 / -v2, compiled on first use, torch's
+PREBUILT = VARIANTS[:3]
 # What running torch's ops costs, measured on the default model (SmolLM2-135M Q4_1, 64-token greedy decode, 2 busy
 # cores): 15-19 tok/s with the prebuilt v4 kernels, 3.5-5.3 without any; 8.6-10.6 without the GEMM only.
 SLOWER = "roughly 3-4x slower decoding"
+GEMM_SLOWER = "roughly 2x slower decoding"
 
 
 class KernelsUnavailable(RuntimeError):
@@ -67,15 +69,15 @@ class KernelChoice:
     """Where this process's libraries come from: ``variant`` is one of :data:`VARIANTS`."""
 
     variant: str
-    directory: Path | None = None  # the prebuilt libraries' directory (v3 / v4)
+    directory: Path | None = None  # the prebuilt libraries' directory (v2 / v3 / v4)
     files: dict | None = None  # the manifest's {library name: {variant: file name}}
     reason: str = ""  # why (for "none": why no library loads)
 
     def library(self, name: str) -> Path:
         """The prebuilt file of library ``name`` for this variant, or the best lower one the wheel has (the GEMM
-        is built for x86-64-v3 only: its AVX-512 kernels are picked at run time)."""
+        is built for x86-64-v3 only: its AVX-512 kernels are picked at run time; a v2 CPU has none)."""
         variants = (self.files or {}).get(name, {})
-        for variant in VARIANTS[VARIANTS.index(self.variant):2]:
+        for variant in PREBUILT[PREBUILT.index(self.variant):]:
             if variant in variants:
                 return self.directory / variants[variant]
         raise KernelsUnavailable(f"the prebuilt kernels in {self.directory} have no {name} for {self.variant} or below")
@@ -88,9 +90,9 @@ _choices: dict[tuple[str, str], KernelChoice] = {}
 def kernel_choice() -> KernelChoice:
     """This process's :class:`KernelChoice`, decided (and logged, once) on first use:
 
-    ``$PAGEDKV_KERNEL_VARIANT`` if set; else the wheel's prebuilt libraries for this CPU's level (v4, v3) if the
+    ``$PAGEDKV_KERNEL_VARIANT`` if set; else the wheel's prebuilt libraries for this CPU's level (v4, v3, v2) if the
     package ships them for the running torch; else the first-use compile of a development checkout ("jit"); a
-    CPU below x86-64-v3 with only the prebuilt libraries gets "none" (torch's ops).
+    CPU below x86-64-v2 with only the prebuilt libraries gets "none" (torch's ops).
     """
     forced = os.environ.get(VARIANT_ENV, "").strip().lower()
     forced = "" if forced == "auto" else forced
@@ -126,20 +128,22 @@ def _choose(forced: str, directory: Path) -> KernelChoice:
         return KernelChoice("jit")
     level = cpu_level()
     if forced:
-        if forced == "v4" and level != "v4":
-            return KernelChoice("none", reason=f"${VARIANT_ENV}=v4 but this CPU has no AVX-512 (x86-64-v4)")
-        if level is None:
-            return KernelChoice("none", reason=f"${VARIANT_ENV}={forced} but this CPU is below x86-64-v3")
+        if level is None or PREBUILT.index(forced) < PREBUILT.index(level):
+            return KernelChoice("none", reason=f"${VARIANT_ENV}={forced} but this CPU is not {LEVEL_NAMES[forced]}")
         return KernelChoice(forced, directory, manifest["libraries"])
     if level is None:
-        return KernelChoice("none", reason="this CPU lacks AVX2 / FMA / F16C (x86-64-v3), which the prebuilt kernels "
+        return KernelChoice("none", reason="this CPU lacks SSE4.2 / POPCNT (x86-64-v2), which the prebuilt kernels "
                                            "need; a source install (`pip install -e .`) compiles them for it")
     return KernelChoice(level, directory, manifest["libraries"])
 
 
 def _log_choice(choice: KernelChoice, forced: str) -> None:
     how = f" (forced by ${VARIANT_ENV})" if forced else ""
-    if choice.variant in LEVEL_NAMES:
+    if choice.variant == "v2":  # the portable ops only: loud, as the GEMM's absence costs about half the speed
+        logger.warning("pagedkv: prebuilt kernels, variant v2: %s, from %s%s; the panel GEMM needs AVX2 + FMA "
+                       "(x86-64-v3), so the linear layers run on torch's GEMM, %s",
+                       LEVEL_NAMES["v2"], choice.directory, how, GEMM_SLOWER)
+    elif choice.variant in LEVEL_NAMES:
         logger.info("pagedkv: prebuilt kernels, variant %s: %s, from %s%s",
                     choice.variant, LEVEL_NAMES[choice.variant], choice.directory, how)
     elif choice.variant == "jit":
@@ -263,7 +267,7 @@ gemm = CompiledLibrary(
     [_CSRC / "panel_linear.cpp", _CSRC / "int8_linear.cpp"],
     [_CSRC / name for name in ("int8_avx512.h", "int8_blocks.h", "int8_quantise.h")],
     what="panel GEMM ops (AVX2 + FMA)",
-    fallback="the linear layers run on torch's GEMM, roughly 2x slower decoding",
+    fallback=f"the linear layers run on torch's GEMM, {GEMM_SLOWER}",
 )
 
 

@@ -12,26 +12,31 @@ import torch
 
 from pagedkv import extension, kernels
 
-V3 = "flags\t\t: fpu sse2 avx avx2 fma f16c bmi1 bmi2 movbe"
+V1 = "flags\t\t: fpu cx8 cmov sse sse2 lm"  # plain x86-64 (a Core 2 / K8)
+V2 = V1 + " pni ssse3 sse4_1 sse4_2 popcnt cx16 lahf_lm"
+V3 = V2 + " avx avx2 fma f16c bmi1 bmi2 movbe"
 V4 = V3 + " avx512f avx512bw avx512cd avx512dq avx512vl"
 
 
 def test_cpu_level():
     assert extension.cpu_level(V4) == "v4"
     assert extension.cpu_level(V3) == "v3"
+    assert extension.cpu_level(V2) == "v2"
     assert extension.cpu_level(V3 + " avx512f") == "v3", "AVX-512F alone is not x86-64-v4"
-    assert extension.cpu_level(V3.replace(" f16c", "")) is None
+    assert extension.cpu_level(V3.replace(" f16c", "")) == "v2", "AVX2 without F16C is not x86-64-v3"
+    assert extension.cpu_level(V2.replace(" sse4_2", "")) is None
+    assert extension.cpu_level(V1) is None
     assert extension.cpu_level("") is None
-    assert extension.cpu_level() in ("v3", "v4", None)
+    assert extension.cpu_level() in ("v2", "v3", "v4", None)
 
 
 @pytest.fixture
 def prebuilt(monkeypatch, tmp_path):
-    """A fake wheel's _lib for this torch (portable v3 + v4, GEMM v3); no variant forced; a v4 CPU."""
+    """A fake wheel's _lib for this torch (portable v2 + v3 + v4, GEMM v3); no variant forced; a v4 CPU."""
     directory = tmp_path / "_lib"
     directory.mkdir()
     manifest = {"torch": torch.__version__, "libraries": {
-        "pagedkv_ops": {"v3": "pagedkv_ops_v3.so", "v4": "pagedkv_ops_v4.so"},
+        "pagedkv_ops": {"v2": "pagedkv_ops_v2.so", "v3": "pagedkv_ops_v3.so", "v4": "pagedkv_ops_v4.so"},
         "pagedkv_gemm": {"v3": "pagedkv_gemm_v3.so"},
     }}
     (directory / "manifest.json").write_text(json.dumps(manifest))
@@ -61,10 +66,25 @@ def test_the_wheel_loads_the_cpus_variant(prebuilt, caplog, monkeypatch):
     monkeypatch.setattr(kernels, "cpu_level", lambda: "v3")
     monkeypatch.setattr(kernels, "_choices", {})
     assert kernels.kernel_choice().library("pagedkv_ops") == prebuilt / "pagedkv_ops_v3.so"
+    assert kernels.kernel_choice().library("pagedkv_gemm") == prebuilt / "pagedkv_gemm_v3.so"
 
 
-@pytest.mark.parametrize(("forced", "variant"), [("v3", "v3"), ("v4", "v4"), ("jit", "jit"), ("none", "none"),
-                                                 ("auto", "v4"), ("", "v4")])
+def test_a_v2_cpu_gets_the_portable_ops_and_says_the_gemm_is_missing(prebuilt, monkeypatch, caplog):
+    """x86-64-v2 (SSE4.2, no AVX2): the portable ops load, the GEMM (AVX2 + FMA) does not, in one loud warning."""
+    monkeypatch.setattr(kernels, "cpu_level", lambda: "v2")
+    with caplog.at_level(logging.INFO):
+        choice = kernels.kernel_choice()
+    assert choice.variant == "v2"
+    assert choice.library("pagedkv_ops") == prebuilt / "pagedkv_ops_v2.so"
+    with pytest.raises(kernels.KernelsUnavailable, match="no pagedkv_gemm for v2"):
+        choice.library("pagedkv_gemm")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "variant v2" in warnings[0] and "AVX2 + FMA" in warnings[0] and kernels.GEMM_SLOWER in warnings[0]
+
+
+@pytest.mark.parametrize(("forced", "variant"), [("v2", "v2"), ("v3", "v3"), ("v4", "v4"), ("jit", "jit"),
+                                                 ("none", "none"), ("auto", "v4"), ("", "v4")])
 def test_forced_variants(prebuilt, monkeypatch, forced, variant):
     monkeypatch.setenv(kernels.VARIANT_ENV, forced)
     assert kernels.kernel_choice().variant == variant
@@ -74,7 +94,13 @@ def test_forcing_what_cannot_run(prebuilt, monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "cpu_level", lambda: "v3")
     monkeypatch.setenv(kernels.VARIANT_ENV, "v4")
     choice = kernels.kernel_choice()
-    assert choice.variant == "none" and "no AVX-512" in choice.reason
+    assert choice.variant == "none" and "not x86-64-v4 (AVX-512)" in choice.reason
+    monkeypatch.setattr(kernels, "cpu_level", lambda: "v2")
+    monkeypatch.setattr(kernels, "_choices", {})
+    monkeypatch.setenv(kernels.VARIANT_ENV, "v3")
+    choice = kernels.kernel_choice()
+    assert choice.variant == "none" and "not x86-64-v3 (AVX2 + FMA)" in choice.reason
+    monkeypatch.setattr(kernels, "cpu_level", lambda: "v3")
     monkeypatch.setenv(kernels.VARIANT_ENV, "v3")
     monkeypatch.setenv("PAGEDKV_KERNEL_DIR", str(tmp_path / "nothing"))
     choice = kernels.kernel_choice()
@@ -84,7 +110,7 @@ def test_forcing_what_cannot_run(prebuilt, monkeypatch, tmp_path):
         kernels.kernel_choice()
 
 
-def test_a_cpu_below_v3_runs_torch_with_one_warning(prebuilt, monkeypatch, caplog):
+def test_a_cpu_below_v2_runs_torch_with_one_warning(prebuilt, monkeypatch, caplog):
     monkeypatch.setattr(kernels, "cpu_level", lambda: None)
     portable, gemm = kernels.portable.fresh(), kernels.gemm.fresh()
     with caplog.at_level(logging.INFO):
@@ -92,9 +118,9 @@ def test_a_cpu_below_v3_runs_torch_with_one_warning(prebuilt, monkeypatch, caplo
         assert gemm.available() is False
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings
-    assert "no compiled kernels: this CPU lacks AVX2" in warnings[0]
+    assert "no compiled kernels: this CPU lacks SSE4.2 / POPCNT (x86-64-v2)" in warnings[0]
     assert kernels.SLOWER in warnings[0]
-    with pytest.raises(RuntimeError, match="x86-64-v3"):
+    with pytest.raises(RuntimeError, match="x86-64-v2"):
         portable.require("use kernels=False")
 
 
