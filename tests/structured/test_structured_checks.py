@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Callable
 
 import pytest
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
+from pagedkv import lark_base_case
 from pagedkv.errors import InvalidParameter
 from pagedkv.json_text import loads_bounded, nesting_depth
 from pagedkv.lark_base_case import never_ending_rules
@@ -24,9 +26,11 @@ def test_json_text_is_parsed_only_within_the_depth_bound():
             loads_bounded(deep, 64)
     with pytest.raises(ValueError):
         loads_bounded("{not json", 64)
-    started = time.perf_counter()
-    nesting_depth(json.dumps({"k": ["x" * 50] * 1000}))  # ~55 KB of strings
-    assert time.perf_counter() - started < 0.5
+    # Linear in the text: 4x the strings take ~4x as long (16x if each string rescanned what came before).
+    # Both texts are past 256 KB, where the copies cost alike per byte (from 100 to 200 KB the time per byte
+    # doubles here, whatever the algorithm)
+    ratio = scaling_ratio(nesting_depth, *(json.dumps({"k": ["x" * 50] * n}) for n in (8000, 32000)))
+    assert ratio < 8, f"4x the text took {ratio:.1f}x as long: not linear (limit: between 4x and 16x)"
 
 
 def test_a_schema_given_as_deep_text_is_a_parameter_error_not_a_recursion_error():
@@ -82,17 +86,49 @@ def test_grammars_that_can_end_are_not_refused(text):
     assert never_ending_rules(text) == []
 
 
+def scaling_ratio(work: Callable[[str], object], small: str, large: str, repeats: int = 3) -> float:
+    """How many times longer ``work(large)`` takes than ``work(small)``: each the fastest of ``repeats`` runs,
+    alternated, so that a busy machine slows both alike and a moment's stall does not count."""
+    best = {small: float("inf"), large: float("inf")}
+    for _ in range(repeats):
+        for text in (small, large):
+            started = time.perf_counter()
+            work(text)
+            best[text] = min(best[text], time.perf_counter() - started)
+    return best[large] / best[small]
+
+
+def chain(length: int) -> str:
+    """``start`` ends only through ``length`` rules, each ending only if the one it names does."""
+    return f"start: r{length}\n" + "\n".join(f'r{i + 1}: "x" r{i}' for i in range(length)) + '\nr0: "end"'
+
+
 def test_what_it_cannot_read_gets_no_verdict_and_hostile_sizes_stay_fast():
     assert never_ending_rules("start: weird & thing") is None  # not understood: left to llguidance
     assert never_ending_rules('other: "x"') is None  # no start rule
     assert never_ending_rules("start: " + "(" * 5000 + '"x"' + ")" * 5000) is None  # too deep to read here
-    chain = "start: r3000\n" + "\n".join(f'r{i + 1}: "x" r{i}' for i in range(3000)) + '\nr0: "end"'
     wide = "start: " + " ".join(f"r{i}" for i in range(3000)) + "\n"
     wide += "\n".join(f'r{i}: "x" r{i + 1}' for i in range(2999)) + '\nr2999: "e"'
-    started = time.perf_counter()
-    assert never_ending_rules(chain) == []  # settles in one walk whatever the order of its rules
+    assert never_ending_rules(chain(3000)) == []  # settles in one walk whatever the order of its rules
     assert never_ending_rules(wide) in ([], None)  # no verdict rather than quadratic time
-    assert time.perf_counter() - started < 2.0
+
+
+def test_a_chain_of_rules_is_settled_in_one_walk(monkeypatch):
+    """The work counted, not timed: in a chain each rule is looked at twice at most (once before the rule it
+    names is known to end, once after), so the items looked at stay within twice the grammar's size; a
+    fixpoint that went over every rule until nothing changed would look at ~3000x the size."""
+    visits = []
+    real_ends = lark_base_case._ends
+
+    def counted(body, rules, productive):
+        visits.append(body)
+        return real_ends(body, rules, productive)
+
+    monkeypatch.setattr(lark_base_case, "_ends", counted)
+    text = chain(3000)
+    size = sum(lark_base_case._size(body) for body in lark_base_case._rules(lark_base_case._tokens(text)).values())
+    assert never_ending_rules(text) == []
+    assert 0 < len(visits) <= 2 * size, f"{len(visits)} items looked at for a grammar of {size}"
 
 
 def test_a_grammar_that_can_never_end_is_a_parameter_error():
