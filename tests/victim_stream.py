@@ -62,6 +62,16 @@ class VictimStream(threading.Thread):
             self.error = exc
         self.decoding.set()
 
+    def got_more(self, count: int, timeout_s: float = 30.0) -> bool:
+        """Whether ``count`` more events arrive (counted from now) while the caller waits: called from hostile
+        work made to wait for them, it says whether the stream moves on while that work is in progress.
+        ``timeout_s`` only ends a wait for a stream that stalled; a slow machine makes the wait longer, not false."""
+        target = len(self.times) + count
+        deadline = time.monotonic() + timeout_s
+        while len(self.times) < target and self.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return len(self.times) >= target
+
     def gaps(self) -> list[float]:
         """The gaps between its events, once the stream finished (it must have, with most of its tokens)."""
         self.join(120)
