@@ -43,6 +43,7 @@ class VictimStream(threading.Thread):
         self.base_url, self.messages, self.max_tokens = base_url, messages, max_tokens
         self.times: list[float] = []
         self.text: list[str] = []
+        self.stream_id: str | None = None  # the response's id: the engine's request id
         self.decoding = threading.Event()
         self.error: BaseException | None = None
 
@@ -54,7 +55,9 @@ class VictimStream(threading.Thread):
                 for line in resp.iter_lines():
                     if line.startswith("data: {"):
                         self.times.append(time.monotonic())
-                        for choice in json.loads(line.removeprefix("data: "))["choices"]:
+                        chunk = json.loads(line.removeprefix("data: "))
+                        self.stream_id = chunk["id"]
+                        for choice in chunk["choices"]:
                             self.text.append(choice["delta"].get("content") or "")
                         if len(self.times) == 4:
                             self.decoding.set()
