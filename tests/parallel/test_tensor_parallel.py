@@ -8,7 +8,6 @@ differ from TP=1 in the last bits; greedy tokens and everything within one TP si
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -172,15 +171,14 @@ def test_default_model_at_tp3_gives_the_same_greedy_chat_answers_and_exact_mode_
             assert [o.outputs[0].logprobs for o in three] == [o.outputs[0].logprobs for o in one]
 
 
+@pytest.mark.timeout(120)  # only ends a test that hung: waiting on a dead worker is what is checked
 def test_a_killed_worker_is_an_error_not_a_hang(tiny):
     llm = LLM(model=str(tiny), tensor_parallel_size=3, num_kv_blocks=64, num_threads=1)
     worker = llm.engine.workers.processes[0]
     worker.kill()
     worker.join(10)
-    start = time.monotonic()
     with pytest.raises(TensorParallelFailure, match="exited"):
         _generate(llm, PROMPTS[:2], GREEDY)
-    assert time.monotonic() - start < 30
     llm.engine.close()
 
 
