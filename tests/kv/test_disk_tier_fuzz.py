@@ -18,10 +18,10 @@ the whole tree is fuzzed and fuzzed again while the engine runs:
 Trouble is: random bytes, a JSON header nested thousands deep, huge declared shapes or offsets, a header
 length past the file, a FIFO, a symlink to a file, to a directory, to a FIFO or to nothing, a directory, a
 hard link to a file outside. After every round: the outputs are those of an engine without the disk tier
-(token ids and logprobs, bit for bit), no KV block is held, the round took seconds (a FIFO opened for
-reading blocks forever), and at the end no foreign file changed (content and mtime), none is missing,
-nothing new appeared outside, and no planted non-file was removed or replaced. Seeded, a few dozen files
-a seed, ~5 s a seed.
+(token ids and logprobs, bit for bit), no KV block is held, no round hung (a FIFO opened for reading
+blocks forever; the test's timeout ends it), and at the end no foreign file changed (content and mtime),
+none is missing, nothing new appeared outside, and no planted non-file was removed or replaced. Seeded, a
+few dozen files a seed, ~5 s a seed.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import os
 import random
 import shutil
 import stat
-import time
 from pathlib import Path
 
 import pytest
@@ -46,7 +45,6 @@ from tests.tiny_model import save_tiny_llama
 GREEDY = SamplingParams(max_tokens=6, temperature=0, logprobs=2)
 BLOCK_FILE = 2 * 2 * 16 * 2 * 64 * 4 + 400  # the tiny model's block file: K and V, 2 layers, fp32, + header
 DISK_BLOCKS = 12  # the tier's size limit, in blocks: fewer than the prompts have, so eviction runs
-ROUND_S = 20.0  # a round that takes longer hung somewhere
 TROUBLE = [
     "random",
     "deep",
@@ -81,9 +79,7 @@ def reference(tiny, prompts) -> list[tuple]:
 
 
 def _run(llm: LLM, prompts) -> list[tuple]:
-    started = time.monotonic()
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
-    assert time.monotonic() - started < ROUND_S
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
 
 
@@ -215,7 +211,7 @@ def _assert_idle(llm: LLM) -> None:
     assert stats["kv_blocks_used"] == 0, stats  # every request's blocks came back, loaded or not
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)  # a round that hangs (a FIFO opened for reading blocks forever) ends the test
 @pytest.mark.parametrize("seed", range(3))
 def test_a_fuzzed_kv_cache_dir_under_a_running_engine(tiny, prompts, reference, tmp_path, seed):
     rng = random.Random(seed)
