@@ -41,6 +41,15 @@ INT8_AVX512_INLINE __m512i both_halves_shifted(const uint8_t* p, int low, int hi
   return left ? _mm512_sllv_epi16(bytes, counts) : _mm512_srlv_epi16(bytes, counts);
 }
 
+// The 256 codes of one block (four vectors of two 32-code groups, as unsigned bytes) dotted with the row's 256
+// int8 activations, each group's products weighted by its scales: Q4_K's and Q6_K's integer core.
+INT8_AVX512_INLINE __m512i scaled_dot(const __m512i (&u)[4], const __m512i (&sc)[4], const int8_t* q) {
+  __m512i sum = _mm512_setzero_si512();
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(u[c], load64(q + 64 * c)), sc[c]);
+  return sum;
+}
+
 struct Q4_K_512 {
   static constexpr int64_t kBlock = Q4_K::kBlock, kBytes = Q4_K::kBytes;
   struct Block { __m512i u[4], sc[4]; Q4_K::Scales s; };  // u[c]: sub-blocks 2c and 2c + 1; sc[c]: their scales
@@ -56,11 +65,7 @@ struct Q4_K_512 {
   }
   template <bool V>
   static INT8_AVX512_INLINE void dot(const Block& w, const ActRow& a, int64_t i, Acc& acc) {
-    const int8_t* q = a.q + 256 * i;
-    __m512i sum = _mm512_setzero_si512();
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(w.u[c], load64(q + 64 * c)), w.sc[c]);
-    Q4_K::accumulate(w.s, a, i, fold(sum), acc);
+    Q4_K::accumulate(w.s, a, i, fold(scaled_dot(w.u, w.sc, a.q + 256 * i)), acc);
   }
 };
 
@@ -86,11 +91,7 @@ struct Q6_K_512 {
   }
   template <bool V>
   static INT8_AVX512_INLINE void dot(const Block& w, const ActRow& a, int64_t i, Acc& acc) {
-    const int8_t* q = a.q + 256 * i;
-    __m512i sum = _mm512_setzero_si512();
-#pragma GCC unroll 4
-    for (int p = 0; p < 4; ++p) sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(w.u[p], load64(q + 64 * p)), w.sc[p]);
-    Q6_K::accumulate(w.sc16, w.d, a, i, fold(sum), acc);
+    Q6_K::accumulate(w.sc16, w.d, a, i, fold(scaled_dot(w.u, w.sc, a.q + 256 * i)), acc);
   }
 };
 
