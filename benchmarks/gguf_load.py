@@ -69,7 +69,8 @@ def _file_memory(pid: int, model: str) -> dict[str, float]:
     return {"file_rss_mib": round(totals["Rss:"] / 1024, 1), "file_pss_mib": round(totals["Pss:"] / 1024, 1)}
 
 
-def child_pagedkv(model: str, threads: int, decode: int, weight_format: str = "gguf") -> dict:
+def child_pagedkv(model: str, threads: int, decode: int, weight_format: str = "gguf") -> tuple[dict, object]:
+    """The measurements, and the engine itself: a caller that measures this process again keeps it alive."""
     import torch
 
     from pagedkv import LLM, SamplingParams
@@ -98,10 +99,10 @@ def child_pagedkv(model: str, threads: int, decode: int, weight_format: str = "g
         measured["decode_tok_s"] = round(decode / (run(decode + 1) - run(1)), 1)
         # gguf-int8 reads the mapped file in place: its pages come in as the first steps touch them
         measured |= _memory()
-    return measured
+    return measured, llm
 
 
-def child_llama_cpp(model: str, threads: int, decode: int) -> dict:
+def child_llama_cpp(model: str, threads: int, decode: int) -> tuple[dict, object]:
     from llama_cpp import Llama
 
     start = time.perf_counter()
@@ -121,7 +122,7 @@ def child_llama_cpp(model: str, threads: int, decode: int) -> dict:
 
         run(4)
         measured["decode_tok_s"] = round(decode / (run(decode + 1) - run(1)), 1)
-    return measured
+    return measured, llm
 
 
 def _llama_ctx(model: str) -> int:
@@ -199,12 +200,13 @@ def main() -> None:
         args.model = default_model_path()
     if args.child:
         if args.child == "pagedkv":
-            result = child_pagedkv(args.model, args.threads, args.decode, args.weight_format[0])
+            result, engine = child_pagedkv(args.model, args.threads, args.decode, args.weight_format[0])
         else:
-            result = child_llama_cpp(args.model, args.threads, args.decode)
+            result, engine = child_llama_cpp(args.model, args.threads, args.decode)
         print(json.dumps(result), flush=True)
-        if args.hold:
-            sys.stdin.read()  # alive (and mapping the file) until the parent has measured both engines
+        if args.hold:  # the engine kept alive (and mapping the file) until the parent has measured both
+            sys.stdin.read()
+        del engine
         return
     from pagedkv.extension import cpu_flags
 
