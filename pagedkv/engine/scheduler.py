@@ -373,7 +373,13 @@ class Scheduler:
         return False
 
     def fail(self, request: Request) -> CoreOutput:
-        """Stop a request with finish_reason "error" (its blocks freed); the CoreOutput reports it."""
+        """Stop a request with finish_reason "error" (its blocks freed); the CoreOutput reports it. One its
+        failed update had already finished ("length" at max_tokens, say) is failed too: the error wins, or
+        the client would get a normal finish and lose the error."""
+        if request.finish_reason in ("stop", "length"):  # finished and freed: only the reason changes
+            self.counters["requests_finished"] -= 1
+            self.counters["requests_failed"] += 1
+            request.finish_reason, request.stop_reason = "error", None
         self.finish(request, "error")
         return CoreOutput.of(request, [])
 

@@ -12,6 +12,10 @@ from collections import Counter
 
 import pytest
 
+from pagedkv.engine.output_processor import OutputProcessor
+from pagedkv.engine.request import INTERNAL_ERROR, OutputKind
+from pagedkv.sampler import SamplerOutput
+from tests.engine.byte_tokenizer import ByteTokenizer
 from tests.engine.harness import (
     EOS,
     Driver,
@@ -217,4 +221,22 @@ def test_a_request_whose_rows_failed_stops_with_error_and_the_others_go_on():
     driver.run()
     assert driver.outputs["a"] == greedy_reference([ord("a")] * 5, 4)
     assert driver.outputs["c"] == greedy_reference([ord("c")] * 5, 4)
+    assert_nothing_held(scheduler)
+
+
+def test_a_request_whose_update_fails_after_it_finished_reports_the_error_not_its_finish():
+    """max_tokens=1: the update finishes the request ("length") with its first token, then reading its
+    logprobs raises (a step result without top_logprobs). The error must win, through the output processor
+    to the caller, or the client gets "length" and a truncated answer with no error."""
+    scheduler = make_scheduler()
+    make_request(scheduler, "r", [5, 6, 7], max_tokens=1, logprobs=1)
+    processor = OutputProcessor(ByteTokenizer({i: b"x" for i in range(1, 40)}))  # ids 1..39: one byte each
+    processor.add(processor.make_group([scheduler.requests["r"]], None, OutputKind.FINAL_ONLY))
+    step = scheduler.schedule()
+    broken = SamplerOutput([counting_model([5, 6, 7])], logprobs=[-0.5], top_logprobs=None)
+    (core,) = scheduler.update_from_output(step, [(0, 1)], broken, set(), {})
+    assert (core.finish_reason, core.stop_reason) == ("error", None)
+    assert scheduler.counters["requests_failed"] == 1 and scheduler.counters["requests_finished"] == 0
+    (output,), _ = processor.process([core])
+    assert output.finished and output.outputs[0].finish_reason == "error" and output.error == INTERNAL_ERROR
     assert_nothing_held(scheduler)
