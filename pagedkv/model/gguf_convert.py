@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import struct
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,6 +29,11 @@ from pagedkv.model.gguf_file import MAGIC, GGUFFile
 
 _LARGE_ARRAY = 1024  # items: a metadata array this long is a vocabulary's, never a config value
 _UINT32 = 4  # GGUF's metadata value type id
+# Held from the patch of transformers' module global to its restore: two engines loading at once in one process
+# (two threads) would each restore what it found, the last leaving the other's reader in place (its copy deleted)
+# and the first pulling the copy from under the other. Conversions take turns instead (each holds it through
+# its config and tokenizer reads); reentrant, so a conversion inside a conversion on one thread nests as before.
+_PATCH_LOCK = threading.RLock()
 
 
 def _is_large_array(value: Any) -> bool:
@@ -61,7 +67,6 @@ def config_reader_on_copy(path: Path) -> Iterator[None]:
     any other file, go to the file as before."""
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
-    original = gguf_utils.load_gguf_checkpoint
     with tempfile.TemporaryDirectory(prefix="pagedkv-gguf-config-") as tmp:
         copy = Path(tmp) / path.name
         write_metadata_only(GGUFFile(path), copy)
@@ -72,8 +77,10 @@ def config_reader_on_copy(path: Path) -> Iterator[None]:
                 return original(str(copy), return_tensors=False)
             return original(gguf_checkpoint_path, return_tensors, *args, **kwargs)
 
-        gguf_utils.load_gguf_checkpoint = load
-        try:
-            yield
-        finally:
-            gguf_utils.load_gguf_checkpoint = original
+        with _PATCH_LOCK:
+            original = gguf_utils.load_gguf_checkpoint
+            gguf_utils.load_gguf_checkpoint = load
+            try:
+                yield
+            finally:
+                gguf_utils.load_gguf_checkpoint = original

@@ -6,6 +6,7 @@ vocabulary arrays), so these compare two runs of the same independent code on di
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,49 @@ def test_other_reads_go_to_the_file(tmp_path, monkeypatch) -> None:
         gguf_utils.load_gguf_checkpoint(str(path))
     assert seen[0] == (str(path), True) and seen[1] == (str(other), False)
     assert seen[2][0] != str(path) and seen[2][0].endswith("a.gguf")  # the copy, named as the file
+
+
+def test_two_conversions_at_once_each_read_their_own_copy_and_leave_transformers_as_it_was(tmp_path, monkeypatch):
+    """Two engines loading GGUF files at once in one process (two threads): each reads its own file's config,
+    from its copy, and afterwards transformers' reader is its own again. Patched and restored by each without
+    a lock, the first to finish put back the real reader under the other (which then read its whole file),
+    and the other put back the first's, pointing at a deleted copy."""
+    paths = [
+        save_tiny_gguf(tmp_path / "llama.gguf", T.Q8_0, "llama"),
+        save_tiny_gguf(tmp_path / "qwen2.gguf", T.Q8_0, "qwen2"),
+    ]
+    expected = [_config(path) for path in paths]
+    assert expected[0] != expected[1]
+    real = gguf_utils.load_gguf_checkpoint
+    files = {str(path.resolve()) for path in paths}
+    read_whole: list[str] = []  # config reads that went to a file instead of its copy
+
+    def spied(gguf_checkpoint_path, return_tensors=False, *args, **kwargs):
+        if str(Path(gguf_checkpoint_path).resolve()) in files:
+            read_whole.append(str(gguf_checkpoint_path))
+        return real(gguf_checkpoint_path, return_tensors, *args, **kwargs)
+
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", spied)
+    rounds = 6
+    start = threading.Barrier(2)
+    got: list[list] = [[], []]
+    errors: list[BaseException] = []
+
+    def convert(i: int) -> None:
+        start.wait()
+        try:
+            for _ in range(rounds):
+                with gguf_convert.config_reader_on_copy(paths[i]):
+                    got[i].append(_config(paths[i]))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=convert, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors, errors
+    assert got == [[expected[0]] * rounds, [expected[1]] * rounds]
+    assert not read_whole, f"{len(read_whole)} config reads went to the whole file, not its copy"
+    assert gguf_utils.load_gguf_checkpoint is spied
