@@ -5,9 +5,10 @@ token prompt, a chat with 128 tools, an echo-scoring call over a long prompt. Ea
 its text alone, it is in every engine step from its first to its last (it never waits for a seat or a turn),
 every step it is in stays short (at most ``max_prefill_tokens_with_decodes`` prompt rows and one row per
 seat), and afterwards no request or KV block is held. A later client gets its first token in a step the
-n=128 samples are still in (it waited 180 s for them to end before fair seats), and a 200-token prompt
-arriving while the long prompt is computed gets its first token before the long prompt ends (13 s before
-prompts shared a step). All counted in engine steps and rows, which a slow machine does not change.
+n=128 samples are still in (it waited 180 s for them to end before fair seats) and before the victim's last
+step (the samples ignore EOS: only a seat reclaimed from them serves it before the victim's ends), and a
+200-token prompt arriving while the long prompt is computed gets its first token before the long prompt ends
+(13 s before prompts shared a step). All counted in engine steps and rows, which a slow machine does not change.
 
 Bounded in time (the file ~1 minute on 2 cores): 16 seats instead of 64 (one request's share is still half),
 prompts of ~2,000 tokens instead of 8,000 (still one step of 2,048 rows before fair steps, a gap of seconds),
@@ -141,7 +142,9 @@ def test_n_128_leaves_seats_to_the_victim_and_a_later_client(server, monkeypatch
     ids: dict[str, str] = {}
 
     def attack(base_url: str, victim: VictimStream, log: StepLog) -> None:
+        # ignore_eos: no sample ends early, so without seat reclaim only the victim's end frees a seat
         body = {"prompt": "Write a long story.", "n": 128, "max_tokens": 3000, "temperature": 1.0, "seed": 1}
+        body["ignore_eos"] = True
         events = threading.Event()
         stop = threading.Event()
         statuses: list[int] = []
@@ -160,8 +163,10 @@ def test_n_128_leaves_seats_to_the_victim_and_a_later_client(server, monkeypatch
         thread = threading.Thread(target=many)
         thread.start()
         assert events.wait(60) and statuses == [200]
+        ids["victim"] = victim.stream_id
         while len(engine.scheduler.running) < engine.scheduler.max_num_seqs:  # it took every free seat
             time.sleep(0.01)
+        assert victim.is_alive(), "the victim ended before the later client came: nothing left to check"
         with httpx.stream(
             "POST", base_url + COMPLETIONS, json={"prompt": "hi", "max_tokens": 4, "stream": True}, timeout=120
         ) as r:
@@ -178,6 +183,10 @@ def test_n_128_leaves_seats_to_the_victim_and_a_later_client(server, monkeypatch
     log = replay(server, monkeypatch, victim_reference, "n=128", attack)
     first_token = log.of(ids["later"], sampled=True)[0]
     assert first_token in log.of(ids["many"]), "the later client's first token waited for the 128 samples to end"
+    # The victim's seat, freed at its end, would also serve it: only a reclaimed seat serves it before that.
+    victim_last = log.of(ids["victim"])[-1]
+    print(f"the later client's first token at step {first_token}, the victim's last step {victim_last}")
+    assert first_token < victim_last, "the later client waited for the victim's seat: no seat was reclaimed for it"
 
 
 def test_a_long_prompt_leaves_the_victim_short_steps_and_a_later_prompt_its_part(server, monkeypatch, victim_reference):
