@@ -1,10 +1,11 @@
-"""Reading one request's K/V from the paged pool: the tutorial's two versions against ours.
+"""Reading one request's K/V from the paged pool: the tutorial's three versions against the engine's.
 
 For each pool shape, dtype and context length the same shuffled block table is read by
 
 - ``loop``        tutorial v1: Python loop over blocks + ``torch.cat`` (``reference.gather_kv_loop``)
 - ``indexed``     tutorial v2: ``pool[blocks, offsets]`` (``reference.gather_kv_indexed``)
-- ``gather_kv``   ours, from the Python block table, index conversion and checks included, as one call
+- ``gather_kv``   tutorial v3: one ``index_select`` on the block dimension (``reference.gather_kv``), from the
+                  Python block table, index conversion and checks included, as one call
 - ``slots+sel``   flat per-token route: ``ops.slot_mapping`` then ``ops.gather_slots`` (slot math included)
 - ``slots_out``   what the engine does per layer: ``ops.gather_slots`` with precomputed slots into ``out=``
 - ``floor``       memory floor: ``clone()`` of a contiguous tensor holding the same bytes
@@ -70,7 +71,7 @@ def candidates(pool: torch.Tensor, table: list[int], seq_len: int) -> dict[str, 
     return {
         "loop": lambda: reference.gather_kv_loop(pool, table, seq_len, BLOCK_SIZE),
         "indexed": lambda: reference.gather_kv_indexed(pool, table, seq_len, BLOCK_SIZE),
-        "gather_kv": lambda: ops.gather_kv(pool, table, seq_len, BLOCK_SIZE),
+        "gather_kv": lambda: reference.gather_kv(pool, table, seq_len, BLOCK_SIZE),
         "slots+sel": lambda: ops.gather_slots(pool, ops.slot_mapping(table, 0, seq_len, BLOCK_SIZE)),
         "slots_out": lambda: ops.gather_slots(pool, slots, out=out),
         "floor": same_bytes.clone,

@@ -4,9 +4,9 @@ A pool holds one layer's K (or V): ``[num_blocks, block_size, num_kv_heads, head
 ``[num_blocks * block_size, num_kv_heads, head_dim]`` and the token at position ``p`` of a request lives in
 row ``block_table[p // block_size] * block_size + p % block_size`` -- its *slot*. Moving K/V is then one
 ``index_copy_`` (write) or one ``index_select`` (read), whatever the number of blocks: on the flat view by
-slot, or, for one request's whole context (``gather_kv``), on the block dimension by block id.
+slot.
 
-The tutorial's two slower versions and other helpers that only tests and benchmarks use are in
+Whole-context reads that only tests and benchmarks use (the tutorial's three versions among them) are in
 :mod:`pagedkv.kv.reference`.
 """
 
@@ -38,7 +38,7 @@ def flat_view(pool: Tensor) -> Tensor:
     return pool.view(-1, pool.shape[2], pool.shape[3])
 
 
-def _index_array(indices: Sequence[int] | Tensor) -> np.ndarray:
+def index_array(indices: Sequence[int] | Tensor) -> np.ndarray:
     """1-D int64 numpy array of ``indices``.
 
     Index math on a few hundred ints is 3-5x cheaper in numpy than in torch, where each op pays a
@@ -57,24 +57,6 @@ def _index_array(indices: Sequence[int] | Tensor) -> np.ndarray:
     if array.ndim != 1:
         raise ValueError(f"block_table must be 1-D, got shape {array.shape}")
     return array.astype(np.int64, copy=False)
-
-
-def check_blocks(blocks: Sequence[int] | Tensor, num_blocks: int) -> None:
-    """Raise if a block id is outside the pool; called on error paths only, to name the bad range."""
-    array = _index_array(blocks)
-    low, high = (int(array.min()), int(array.max())) if array.size else (0, 0)
-    if low < 0 or high >= num_blocks:
-        raise ValueError(
-            f"block ids must lie in [0, {num_blocks}) for this pool, got range [{low}, {high}]: "
-            "pass a block table allocated from this pool"
-        )
-
-
-def check_pool(pool: Tensor, block_size: int) -> None:
-    if pool.dim() != 4 or pool.shape[1] != block_size:
-        raise ValueError(
-            f"pool must be [num_blocks, block_size={block_size}, num_kv_heads, head_dim], got shape {tuple(pool.shape)}"
-        )
 
 
 def check_seq_len(seq_len: int, num_table_blocks: int, block_size: int) -> None:
@@ -99,7 +81,7 @@ def slot_mapping(block_table: Sequence[int] | Tensor, start: int, end: int, bloc
         raise ValueError(f"need 0 <= start <= end, got start={start}, end={end}")
     check_seq_len(end, len(block_table), block_size)
     first = start // block_size
-    blocks = _index_array(block_table[first : -(-end // block_size)])
+    blocks = index_array(block_table[first : -(-end // block_size)])
     slots = (blocks[:, None] * block_size + np.arange(block_size)).reshape(-1)
     return torch.from_numpy(slots[start - first * block_size : end - first * block_size])
 
@@ -169,44 +151,6 @@ def write_kv(pool: Tensor, slot_mapping: Tensor, values: Tensor) -> None:
             raise ValueError(f"slot_mapping may hold -1 for padding but no other negative slot, got {low}")
         slots, values = slots[keep], values[keep]
     flat.index_copy_(0, slots, values.to(pool.dtype))  # an fp32 row into an fp16 pool: rounded to nearest
-
-
-def gather_kv(
-    pool: Tensor,
-    block_table: Sequence[int] | Tensor,
-    seq_len: int,
-    block_size: int,
-    out: Tensor | None = None,
-) -> Tensor:
-    """Read positions ``[0, seq_len)`` of one request: ``[seq_len, H, D]``.
-
-    Whole blocks are copied with one ``index_select`` on the block dimension, then viewed flat and cut
-    to ``seq_len`` (a prefix view, still contiguous). That moves ``block_size`` times fewer indices than
-    per-token slots and needs no slot math, so a call runs near memcpy speed; the price is copying the
-    unused tail of the last block. Block ids are range-checked by ``index_select`` itself (it rejects
-    negative and too-large ids), so the success path pays for no reduction over the table.
-    """
-    check_pool(pool, block_size)
-    check_seq_len(seq_len, len(block_table), block_size)
-    blocks = block_table[: -(-seq_len // block_size)]
-    if not (isinstance(blocks, Tensor) and blocks.dtype == torch.int64 and blocks.dim() == 1):
-        blocks = torch.from_numpy(_index_array(blocks))  # a 1-D int64 tensor is used as it is
-    heads, head_dim = pool.shape[2], pool.shape[3]
-    try:
-        if out is None:
-            gathered = pool.index_select(0, blocks).view(-1, heads, head_dim)
-            return gathered if gathered.shape[0] == seq_len else gathered[:seq_len]
-        _check_out(out, pool, seq_len)
-        full = seq_len // block_size
-        full_blocks_out = out[: full * block_size].view(full, block_size, heads, head_dim)
-        torch.index_select(pool, 0, blocks[:full], out=full_blocks_out)
-        if full < blocks.shape[0]:
-            tail = pool.index_select(0, blocks[full:]).view(-1, heads, head_dim)
-            out[full * block_size :].copy_(tail[: seq_len - full * block_size])
-        return out
-    except IndexError:
-        check_blocks(blocks, pool.shape[0])
-        raise
 
 
 def _check_out(out: Tensor, pool: Tensor, rows: int) -> None:

@@ -1,9 +1,10 @@
 """Reference reads of the KV pool, for tests and benchmarks: the engine never calls them.
 
-``gather_kv_loop`` and ``gather_kv_indexed`` are the tutorial's two versions (step 14.2), 3-9x slower than
-the one ``index_select`` of :func:`pagedkv.kv.ops.gather_kv` (see ``benchmarks/gather.py``); they check their
-inputs with ops' own checks. ``batched_gather_kv`` is the engine's own per-step read (``batched_slot_mapping``
-+ ``gather_slots``) as one call, so tests can compare it with them.
+The tutorial's three versions of reading one request's context (step 14.2): ``gather_kv_loop`` (a Python
+loop over blocks, then ``torch.cat``), ``gather_kv_indexed`` (``pool[blocks, offsets]``) and ``gather_kv``
+(one ``index_select`` on the block dimension), the first two 3-9x slower than the third
+(``benchmarks/gather.py``, docs/performance.md). The engine reads per layer with ``ops.gather_slots`` on slots
+computed once a step; ``batched_gather_kv`` is that read as one call, so tests can compare it with these.
 """
 
 from __future__ import annotations
@@ -14,6 +15,46 @@ import torch
 from torch import Tensor
 
 from pagedkv.kv import ops
+
+
+def check_blocks(blocks: Sequence[int] | Tensor, num_blocks: int) -> None:
+    """Raise if a block id is outside the pool; called on error paths only, to name the bad range."""
+    array = ops.index_array(blocks)
+    low, high = (int(array.min()), int(array.max())) if array.size else (0, 0)
+    if low < 0 or high >= num_blocks:
+        raise ValueError(
+            f"block ids must lie in [0, {num_blocks}) for this pool, got range [{low}, {high}]: "
+            "pass a block table allocated from this pool"
+        )
+
+
+def check_pool(pool: Tensor, block_size: int) -> None:
+    if pool.dim() != 4 or pool.shape[1] != block_size:
+        raise ValueError(
+            f"pool must be [num_blocks, block_size={block_size}, num_kv_heads, head_dim], got shape {tuple(pool.shape)}"
+        )
+
+
+def gather_kv(pool: Tensor, block_table: Sequence[int] | Tensor, seq_len: int, block_size: int) -> Tensor:
+    """Tutorial v3 (reference only): positions ``[0, seq_len)`` of one request, ``[seq_len, H, D]``.
+
+    Whole blocks are copied with one ``index_select`` on the block dimension, then viewed flat and cut
+    to ``seq_len`` (a prefix view, still contiguous). That moves ``block_size`` times fewer indices than
+    per-token slots and needs no slot math, so a call runs near memcpy speed; the price is copying the
+    unused tail of the last block. Block ids are range-checked by ``index_select`` itself (it rejects
+    negative and too-large ids), so the success path pays for no reduction over the table.
+    """
+    check_pool(pool, block_size)
+    ops.check_seq_len(seq_len, len(block_table), block_size)
+    blocks = block_table[: -(-seq_len // block_size)]
+    if not (isinstance(blocks, Tensor) and blocks.dtype == torch.int64 and blocks.dim() == 1):
+        blocks = torch.from_numpy(ops.index_array(blocks))  # a 1-D int64 tensor is used as it is
+    try:
+        gathered = pool.index_select(0, blocks).view(-1, pool.shape[2], pool.shape[3])
+    except IndexError:
+        check_blocks(blocks, pool.shape[0])
+        raise
+    return gathered if gathered.shape[0] == seq_len else gathered[:seq_len]
 
 
 def batched_gather_kv(
@@ -28,7 +69,7 @@ def batched_gather_kv(
     Like ``gather_kv``, only the blocks that hold the first ``seq_lens[i]`` tokens are read, and they
     are range-checked only when the read fails, to name the bad block id.
     """
-    ops.check_pool(pool, block_size)
+    check_pool(pool, block_size)
     if len(block_tables) != len(seq_lens):
         raise ValueError(f"{len(block_tables)} block tables but {len(seq_lens)} seq_lens: give one each")
     slots = ops.batched_slot_mapping(block_tables, [0] * len(seq_lens), list(seq_lens), block_size)
@@ -36,7 +77,7 @@ def batched_gather_kv(
         return ops.gather_slots(pool, slots, out=out)
     except ValueError:
         for table, seq_len in zip(block_tables, seq_lens, strict=True):
-            ops.check_blocks(table[: -(-seq_len // block_size)], pool.shape[0])
+            check_blocks(table[: -(-seq_len // block_size)], pool.shape[0])
         raise
 
 

@@ -46,7 +46,7 @@ def all_readers(pool: torch.Tensor, table, seq_len: int) -> dict[str, torch.Tens
     block_size = pool.shape[1]
     listed = [int(b) for b in table]
     return {
-        "gather_kv": ops.gather_kv(pool, table, seq_len, block_size),
+        "gather_kv": reference.gather_kv(pool, table, seq_len, block_size),
         "loop": reference.gather_kv_loop(pool, listed, seq_len, block_size),
         "indexed": reference.gather_kv_indexed(pool, listed, seq_len, block_size),
         "slots": ops.gather_slots(pool, ops.slot_mapping(table, 0, seq_len, block_size)),
@@ -91,7 +91,7 @@ def test_table_types(table):
 
 def test_gather_kv_returns_a_contiguous_copy():
     pool = make_pool()
-    got = ops.gather_kv(pool, [2, 6], 5, 4)
+    got = reference.gather_kv(pool, [2, 6], 5, 4)
     assert got.shape == (5, 2, 3) and got.is_contiguous()
     before = got.clone()
     pool.zero_()
@@ -127,7 +127,7 @@ def test_batched_equals_per_request_concatenated(data, block_size):
     assert torch.equal(slots, torch.cat(per_request) if per_request else torch.empty(0, dtype=torch.int64))
 
     gathered = reference.batched_gather_kv(pool, tables, ends, block_size)
-    singles = [ops.gather_kv(pool, t, e, block_size) for t, e in zip(tables, ends, strict=True)]
+    singles = [reference.gather_kv(pool, t, e, block_size) for t, e in zip(tables, ends, strict=True)]
     assert gathered.shape == (sum(ends), 2, 2)
     if singles:
         assert torch.equal(gathered, torch.cat(singles))
@@ -144,9 +144,6 @@ def test_batched_shares_blocks_across_requests():
 def test_out_buffer_is_filled_and_returned(seq_len):
     pool, table = make_pool(), [9, 2, 5]
     expected = ref_gather(pool, table, seq_len)
-    out = torch.full((seq_len, 2, 3), -1.0)
-    assert ops.gather_kv(pool, table, seq_len, 4, out=out) is out
-    assert torch.equal(out, expected)
     out2 = torch.full((seq_len, 2, 3), -1.0)
     assert ops.gather_slots(pool, ops.slot_mapping(table, 0, seq_len, 4), out=out2) is out2
     assert torch.equal(out2, expected)
@@ -163,7 +160,7 @@ def test_write_then_read_round_trip(dtype):
     ops.write_kv(pool, ops.slot_mapping(table, 0, 7, 4), values[:7])  # a prefill chunk
     for pos in range(7, 11):  # then one decode token at a time
         ops.write_kv(pool, ops.slot_mapping(table, pos, pos + 1, 4).to(torch.int32), values[pos : pos + 1])
-    assert torch.equal(ops.gather_kv(pool, table, 11, 4), values)
+    assert torch.equal(reference.gather_kv(pool, table, 11, 4), values)
     assert torch.equal(ref_gather(pool, table, 11), values)
 
 
@@ -172,7 +169,7 @@ def test_batched_write_then_read_each_request():
     tables, seq_lens = [[3, 1], [7], [0, 9, 5]], [6, 3, 10]
     values = torch.randn(sum(seq_lens), 1, 2)
     ops.write_kv(pool, ops.batched_slot_mapping(tables, [0, 0, 0], seq_lens, 4), values)
-    got = [ops.gather_kv(pool, t, n, 4) for t, n in zip(tables, seq_lens, strict=True)]
+    got = [reference.gather_kv(pool, t, n, 4) for t, n in zip(tables, seq_lens, strict=True)]
     assert torch.equal(torch.cat(got), values)
 
 
@@ -200,20 +197,20 @@ def test_pad_block_tables():
 
 POOL = make_pool()  # 12 blocks of 4 slots, [2, 3] per slot
 ERRORS = {
-    "block id too large": (lambda: ops.gather_kv(POOL, [0, 12], 5, 4), r"block ids must lie in \[0, 12\)"),
-    "negative block id": (lambda: ops.gather_kv(POOL, [-1], 1, 4), r"block ids must lie in \[0, 12\)"),
+    "block id too large": (lambda: reference.gather_kv(POOL, [0, 12], 5, 4), r"block ids must lie in \[0, 12\)"),
+    "negative block id": (lambda: reference.gather_kv(POOL, [-1], 1, 4), r"block ids must lie in \[0, 12\)"),
     "batched block id": (lambda: reference.batched_gather_kv(POOL, [[1], [99]], [1, 1], 4), "block ids must lie"),
-    "seq_len beyond table": (lambda: ops.gather_kv(POOL, [1, 2], 9, 4), "needs 3 blocks but the block table"),
+    "seq_len beyond table": (lambda: reference.gather_kv(POOL, [1, 2], 9, 4), "needs 3 blocks but the block table"),
     "loop seq_len": (lambda: reference.gather_kv_loop(POOL, [1], 5, 4), "allocate more blocks"),
     "indexed seq_len": (lambda: reference.gather_kv_indexed(POOL, [1], 5, 4), "allocate more blocks"),
     "slot_mapping end": (lambda: ops.slot_mapping([1], 0, 5, 4), "needs 2 blocks"),
     "batched seq_len": (lambda: ops.batched_slot_mapping([[1]], [0], [5], 4), "needs 2 blocks"),
-    "negative seq_len": (lambda: ops.gather_kv(POOL, [1], -1, 4), "seq_len must be >= 0"),
+    "negative seq_len": (lambda: reference.gather_kv(POOL, [1], -1, 4), "seq_len must be >= 0"),
     "start after end": (lambda: ops.slot_mapping([1], 3, 2, 4), "0 <= start <= end"),
     "zero block_size": (lambda: ops.slot_mapping([1], 0, 1, 0), "block_size must be positive"),
-    "float table tensor": (lambda: ops.gather_kv(POOL, torch.tensor([1.0]), 1, 4), "int32 or int64"),
-    "float table list": (lambda: ops.gather_kv(POOL, [1.5], 1, 4), "must be a sequence of ints"),
-    "2-D table": (lambda: ops.gather_kv(POOL, torch.zeros(1, 1, dtype=torch.int64), 1, 4), "must be 1-D"),
+    "float table tensor": (lambda: reference.gather_kv(POOL, torch.tensor([1.0]), 1, 4), "int32 or int64"),
+    "float table list": (lambda: reference.gather_kv(POOL, [1.5], 1, 4), "must be a sequence of ints"),
+    "2-D table": (lambda: reference.gather_kv(POOL, torch.zeros(1, 1, dtype=torch.int64), 1, 4), "must be 1-D"),
     "slot beyond pool": (
         lambda: ops.gather_slots(POOL, torch.tensor([3, 48])),
         r"slot ids must lie in \[0, 48\)",
@@ -222,14 +219,13 @@ ERRORS = {
         lambda: ops.gather_slots(POOL, torch.tensor([-1])),
         "padding slots -1 are for writes only",
     ),
-    "out-path block id": (
-        lambda: ops.gather_kv(POOL, [1, 30], 6, 4, out=torch.empty(6, 2, 3)),
-        r"got range \[1, 30\]",
-    ),
     "float slots": (lambda: ops.gather_slots(POOL, torch.tensor([1.0])), "slots must be a 1-D int32"),
-    "wrong block_size": (lambda: ops.gather_kv(POOL, [1], 1, 8), r"block_size=8"),
+    "wrong block_size": (lambda: reference.gather_kv(POOL, [1], 1, 8), r"block_size=8"),
     "3-D pool": (lambda: ops.gather_slots(POOL[0], torch.tensor([0])), "num_blocks, block_size"),
-    "out shape": (lambda: ops.gather_kv(POOL, [1], 3, 4, out=torch.empty(4, 2, 3)), r"shape \(3, 2, 3\)"),
+    "out shape": (
+        lambda: ops.gather_slots(POOL, torch.tensor([1, 2, 3]), out=torch.empty(4, 2, 3)),
+        r"shape \(3, 2, 3\)",
+    ),
     "out dtype": (
         lambda: ops.gather_slots(POOL, torch.tensor([0]), out=torch.empty(1, 2, 3).half()),
         "out must",
@@ -283,7 +279,7 @@ def test_failed_write_changes_nothing():
 def test_only_the_blocks_within_seq_len_are_read():
     # A stale id past seq_len (e.g. a table slot not filled yet) is never read, so it is not an error.
     pool = make_pool()
-    assert torch.equal(ops.gather_kv(pool, [3, 999], 4, 4), ref_gather(pool, [3], 4))
+    assert torch.equal(reference.gather_kv(pool, [3, 999], 4, 4), ref_gather(pool, [3], 4))
     assert torch.equal(reference.batched_gather_kv(pool, [[3, 999]], [4], 4), ref_gather(pool, [3], 4))
 
 
