@@ -192,10 +192,6 @@ class StopStringMatcher:
                 return state, (s, i + 1 if self.include else i + 1 - len(s))
         return state, None
 
-    def holdback(self, text: str) -> int:
-        """held for a whole text, scanned from the start state (`scan` tracks the state delta by delta)."""
-        return self.held[self.scan(0, text, search=False)[0]]
-
 
 @functools.lru_cache(maxsize=8)
 def _shared_stop_matcher(stop: tuple[str, ...], include_stop_str_in_output: bool) -> StopStringMatcher:

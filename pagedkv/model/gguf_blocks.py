@@ -65,24 +65,6 @@ TYPES: dict[int, BlockType] = {
     int(t): BlockType(t.name, *GGML_QUANT_SIZES[t], formats) for t, formats in _PANEL_FORMATS.items()
 }
 
-# Bytes a weight takes in each panel format: a record's bytes over the 16 outputs x G k it holds.
-_PANEL_BYTES_PER_WEIGHT = {
-    "fp32": 4.0,
-    "f16": 2.0,
-    "bf16": 2.0,
-    "q4": 384 / (16 * 32),
-    "q8": 576 / (16 * 32),
-    "q8m": 640 / (16 * 32),
-    "q4g16": 256 / (16 * 16),
-    "q8g16": 320 / (16 * 16),
-    "q4k": 2432 / (16 * 256),
-    "q6k": 3392 / (16 * 256),
-    "q5": 384 / (16 * 32),
-    "q5k": 2944 / (16 * 256),
-    "q2k": 2688 / (16 * 256),
-    "q3k": 2368 / (16 * 256),
-}
-
 
 def block_type(ggml_type: int) -> BlockType:
     """The supported type ``ggml_type``; a ValueError naming it if it is unknown or has no panel format."""
@@ -94,13 +76,6 @@ def block_type(ggml_type: int) -> BlockType:
         raise ValueError(f"unknown ggml type id {ggml_type}") from None
     supported = ", ".join(t.name for t in TYPES.values())
     raise ValueError(f"ggml type {name} ({ggml_type}) has no panel format; supported: {supported}")
-
-
-def bytes_per_weight(ggml_type: int, format: str | None = None) -> float:
-    """What a weight of ``ggml_type`` takes in memory once packed in ``format`` (by default its
-    ``panel_format``; the panel's bytes, padding aside), for sizing a model before loading it; the file's own
-    is ``type_size / block_size``."""
-    return _PANEL_BYTES_PER_WEIGHT[format or block_type(ggml_type).panel_format]
 
 
 def pack(raw: Tensor, ggml_type: int, n: int, k: int, format: str | None = None) -> PanelWeight:

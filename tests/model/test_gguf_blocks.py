@@ -69,6 +69,23 @@ def reference(raw: torch.Tensor, ggml_type: int, n: int, k: int) -> torch.Tensor
     return torch.from_numpy(np.array(numpy_dequantize(raw.numpy(), T(ggml_type)), dtype=np.float32)).view(n, k)
 
 
+# Bytes a weight takes in each panel format: a record's bytes over the 16 outputs x G k it holds.
+PANEL_BYTES_PER_WEIGHT = {
+    "fp32": 4.0,
+    "f16": 2.0,
+    "bf16": 2.0,
+    "q4": 384 / (16 * 32),
+    "q8": 576 / (16 * 32),
+    "q8m": 640 / (16 * 32),
+    "q4g16": 256 / (16 * 16),
+    "q8g16": 320 / (16 * 16),
+    "q4k": 2432 / (16 * 256),
+    "q6k": 3392 / (16 * 256),
+    "q5": 384 / (16 * 32),
+    "q5k": 2944 / (16 * 256),
+    "q2k": 2688 / (16 * 256),
+    "q3k": 2368 / (16 * 256),
+}
 # Quantised panel formats: (group G, code bits, has a min), and the float ones' element dtypes
 RECORDS = {
     "q4": (32, 4, True),
@@ -192,7 +209,7 @@ def test_rows_and_panels_match_numpy_bit_for_bit(ggml_type: int, fmt: str, n: in
 
     weight = gguf_blocks.pack(raw, ggml_type, n, k, fmt)
     assert weight.format == fmt and (weight.n, weight.k) == (n, k)
-    assert weight.nbytes == -(-n // 16) * 16 * k * gguf_blocks.bytes_per_weight(ggml_type, fmt)
+    assert weight.nbytes == -(-n // 16) * 16 * k * PANEL_BYTES_PER_WEIGHT[fmt]
     got = read_panels(weight)
     assert torch.equal(got, want)
     if ggml_type != T.Q4_0:  # signs of zero too; Q4_0's d q - 8 d is numpy's d (q - 8) up to the sign of a 0
@@ -231,7 +248,7 @@ def test_bad_inputs_are_value_errors_that_say_what_is_wrong() -> None:
     with pytest.raises(ValueError, match="IQ2_XXS"):
         gguf_blocks.pack(raw, int(T.IQ2_XXS), 3, 512)
     with pytest.raises(ValueError, match="unknown ggml type id 99"):
-        gguf_blocks.bytes_per_weight(99)
+        gguf_blocks.block_type(99)
     for op in (
         lambda: torch.ops.pagedkv.gguf_pack(raw, 99, 3, 512, 1),
         lambda: torch.ops.pagedkv.gguf_rows(raw, 16, torch.tensor([0]), 512),
