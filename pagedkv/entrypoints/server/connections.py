@@ -16,19 +16,19 @@ API key needed) used up the server's descriptors; new clients' ``/health`` timed
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
 import resource
 import time
 from collections import Counter
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from pagedkv.entrypoints.server.limits import CliLimits, option
 from pagedkv.entrypoints.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
@@ -36,44 +36,24 @@ logger = logging.getLogger(__name__)
 FD_RESERVE = 256  # descriptors kept for the model files, the disk tier, logs and threads
 
 
-def _option(default: float, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass(slots=True)
-class ConnectionLimits:
+class ConnectionLimits(CliLimits):
     """How long a client may take to send a request, and how many connections may be open at once."""
 
-    header_timeout_s: float = _option(
+    ARGUMENT_GROUP = "connections (each refusal or timeout closes the connection)"
+    HELP_SHOWS_DEFAULT = True
+    header_timeout_s: float = option(
         10.0, "seconds a client has to send a request's headers, from connecting or from its last response"
     )
-    body_timeout_s: float = _option(60.0, "seconds a client has to send a request's body once its headers arrived")
-    keep_alive_timeout_s: float = _option(5.0, "seconds an idle keep-alive connection stays open")
-    max_connections: int = _option(2048, "open connections; past it a new one gets 503 and is closed")
-    max_connections_per_client: int = _option(
+    body_timeout_s: float = option(60.0, "seconds a client has to send a request's body once its headers arrived")
+    keep_alive_timeout_s: float = option(5.0, "seconds an idle keep-alive connection stays open")
+    max_connections: int = option(2048, "open connections; past it a new one gets 503 and is closed")
+    max_connections_per_client: int = option(
         256, "open connections from one client address; past it a new one gets 429 and is closed"
     )
-    refusal_log_interval_s: float = _option(
+    refusal_log_interval_s: float = option(
         10.0, "seconds between log lines about refused or timed-out connections (each line counts them)"
     )
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            if not getattr(self, f.name) > 0:
-                raise ValueError(f"{f.name} must be > 0, got {getattr(self, f.name)!r}")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> ConnectionLimits:
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
-
-    @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """One ``--header-timeout-s``-style option per limit, with the same default and help as here."""
-        group = parser.add_argument_group("connections (each refusal or timeout closes the connection)")
-        for f in fields(cls):
-            kind = float if f.name.endswith("_s") else int
-            help_text = f"{f.metadata['help']} (default: {f.default})"
-            group.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=help_text)
 
 
 def uvicorn_options(limits: ConnectionLimits) -> dict[str, Any]:

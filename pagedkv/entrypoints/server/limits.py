@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 from pagedkv.entrypoints.server.openai_requests import GRAMMAR_FIELDS
 from pagedkv.entrypoints.server.protocol import APIError
@@ -28,52 +28,21 @@ _QUOTE, _BACKSLASH = b'"', b"\\"
 _NOT_COUNTED = bytes(sorted(set(range(256)) - set(b'",[{')))  # translate() deletes these: left are " , [ {
 
 
-def _limit_field(default: float | None, help: str) -> Any:
+def option(default: float | None, help: str) -> Any:
+    """A limit's default and the help of its ``pagedkv serve`` option."""
     return field(default=default, metadata={"help": help})
 
 
-@dataclass(slots=True)
-class ServerLimits:
-    """Per-request bounds. ``max_prompt_chars=None`` means 32 characters per token of context: a token of
-    this kind of tokenizer is rarely longer, so a longer prompt could not fit and tokenizing it is waste."""
+L = TypeVar("L", bound="CliLimits")
 
-    max_n: int = _limit_field(128, "samples per prompt (n)")
-    max_prompts: int = _limit_field(64, "prompts in one completions request")
-    max_stop_strings: int = _limit_field(32, "stop strings per request")
-    max_stop_string_chars: int = _limit_field(256, "characters per stop string")
-    max_stop_token_ids: int = _limit_field(1024, "stop_token_ids per request")
-    max_prompt_chars: int | None = _limit_field(
-        None, "prompt characters, checked before tokenizing (default: 32 x max_model_len)"
-    )
-    max_messages: int = _limit_field(512, "chat messages per request")
-    max_list_items: int = _limit_field(4096, "items of any other list in a request body")
-    max_json_depth: int = _limit_field(32, "nesting depth of a request body")
-    max_json_values: int | None = _limit_field(
-        None,
-        "JSON values in a request body, counted before parsing as the commas, [ and { outside strings "
-        f"(default: max_prompts x max_model_len + {OTHER_VALUES}: a full batch of token-id prompts and the rest)",
-    )
-    max_grammar_bytes: int = _limit_field(
-        64 * 1024, "bytes of a structured-output spec (JSON schema, regex, choices, grammar) or of tools, as JSON"
-    )
-    max_queued_seqs: int = _limit_field(256, "sequences (n x prompts) queued or running; past it: 503 + Retry-After")
-    stream_stall_timeout_s: float = _limit_field(
-        30.0, "seconds a streaming client may read nothing before its request is aborted"
-    )
-    max_stored_responses: int = _limit_field(
-        1024, "responses kept for previous_response_id (/v1/responses), least recently used dropped first"
-    )
-    max_stored_response_bytes: int = _limit_field(
-        64 * 2**20, "bytes of the responses kept for previous_response_id, as JSON (conversation and response)"
-    )
-    grammar_compile_threads: int = _limit_field(
-        1, "threads compiling structured-output specs, apart from the engine and stream delivery"
-    )
-    grammar_compile_timeout_s: float = _limit_field(
-        10.0,
-        "seconds a structured-output spec may wait for a compile thread (then 503 + Retry-After) and then "
-        "compile (then a 400 naming the field; the compile finishes and is cached)",
-    )
+
+class CliLimits:
+    """Limits that must be > 0 (None where allowed means "derived"), each set by a ``--max-n``-style option of
+    ``pagedkv serve`` with the field's default and help (a ``_s`` field takes seconds, a float)."""
+
+    __slots__ = ()
+    ARGUMENT_GROUP: ClassVar[str]
+    HELP_SHOWS_DEFAULT: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -82,16 +51,61 @@ class ServerLimits:
                 raise ValueError(f"{f.name} must be > 0, got {value!r}")
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> ServerLimits:
+    def from_args(cls: type[L], args: argparse.Namespace) -> L:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """One ``--max-n``-style option per limit, with the same default and help as here."""
-        group = parser.add_argument_group("request limits (each exceeded limit is a 400 naming it)")
+        group = parser.add_argument_group(cls.ARGUMENT_GROUP)
         for f in fields(cls):
             kind = float if f.name.endswith("_s") else int
-            group.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=f.metadata["help"])
+            help_text = f"{f.metadata['help']} (default: {f.default})" if cls.HELP_SHOWS_DEFAULT else f.metadata["help"]
+            group.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=help_text)
+
+
+@dataclass(slots=True)
+class ServerLimits(CliLimits):
+    """Per-request bounds. ``max_prompt_chars=None`` means 32 characters per token of context: a token of
+    this kind of tokenizer is rarely longer, so a longer prompt could not fit and tokenizing it is waste."""
+
+    ARGUMENT_GROUP = "request limits (each exceeded limit is a 400 naming it)"
+    max_n: int = option(128, "samples per prompt (n)")
+    max_prompts: int = option(64, "prompts in one completions request")
+    max_stop_strings: int = option(32, "stop strings per request")
+    max_stop_string_chars: int = option(256, "characters per stop string")
+    max_stop_token_ids: int = option(1024, "stop_token_ids per request")
+    max_prompt_chars: int | None = option(
+        None, "prompt characters, checked before tokenizing (default: 32 x max_model_len)"
+    )
+    max_messages: int = option(512, "chat messages per request")
+    max_list_items: int = option(4096, "items of any other list in a request body")
+    max_json_depth: int = option(32, "nesting depth of a request body")
+    max_json_values: int | None = option(
+        None,
+        "JSON values in a request body, counted before parsing as the commas, [ and { outside strings "
+        f"(default: max_prompts x max_model_len + {OTHER_VALUES}: a full batch of token-id prompts and the rest)",
+    )
+    max_grammar_bytes: int = option(
+        64 * 1024, "bytes of a structured-output spec (JSON schema, regex, choices, grammar) or of tools, as JSON"
+    )
+    max_queued_seqs: int = option(256, "sequences (n x prompts) queued or running; past it: 503 + Retry-After")
+    stream_stall_timeout_s: float = option(
+        30.0, "seconds a streaming client may read nothing before its request is aborted"
+    )
+    max_stored_responses: int = option(
+        1024, "responses kept for previous_response_id (/v1/responses), least recently used dropped first"
+    )
+    max_stored_response_bytes: int = option(
+        64 * 2**20, "bytes of the responses kept for previous_response_id, as JSON (conversation and response)"
+    )
+    grammar_compile_threads: int = option(
+        1, "threads compiling structured-output specs, apart from the engine and stream delivery"
+    )
+    grammar_compile_timeout_s: float = option(
+        10.0,
+        "seconds a structured-output spec may wait for a compile thread (then 503 + Retry-After) and then "
+        "compile (then a 400 naming the field; the compile finishes and is cached)",
+    )
 
     def check(self, body: dict[str, Any], max_model_len: int) -> None:
         """The field-specific bounds, on the raw JSON (before pydantic builds anything from it)."""
