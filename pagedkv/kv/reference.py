@@ -4,7 +4,7 @@ The tutorial's three versions of reading one request's context (step 14.2): ``ga
 loop over blocks, then ``torch.cat``), ``gather_kv_indexed`` (``pool[blocks, offsets]``) and ``gather_kv``
 (one ``index_select`` on the block dimension), the first two 3-9x slower than the third
 (``benchmarks/gather.py``, docs/performance.md). The engine reads per layer with ``ops.gather_slots`` on slots
-computed once a step; ``batched_gather_kv`` is that read as one call, so tests can compare it with these.
+computed once a step.
 """
 
 from __future__ import annotations
@@ -55,30 +55,6 @@ def gather_kv(pool: Tensor, block_table: Sequence[int] | Tensor, seq_len: int, b
         check_blocks(blocks, pool.shape[0])
         raise
     return gathered if gathered.shape[0] == seq_len else gathered[:seq_len]
-
-
-def batched_gather_kv(
-    pool: Tensor,
-    block_tables: Sequence[Sequence[int]],
-    seq_lens: Sequence[int],
-    block_size: int,
-    out: Tensor | None = None,
-) -> Tensor:
-    """Read many requests at once: their contexts concatenated, ``[sum(seq_lens), H, D]``.
-
-    Like ``gather_kv``, only the blocks that hold the first ``seq_lens[i]`` tokens are read, and they
-    are range-checked only when the read fails, to name the bad block id.
-    """
-    check_pool(pool, block_size)
-    if len(block_tables) != len(seq_lens):
-        raise ValueError(f"{len(block_tables)} block tables but {len(seq_lens)} seq_lens: give one each")
-    slots = ops.batched_slot_mapping(block_tables, [0] * len(seq_lens), list(seq_lens), block_size)
-    try:
-        return ops.gather_slots(pool, slots, out=out)
-    except ValueError:
-        for table, seq_len in zip(block_tables, seq_lens, strict=True):
-            check_blocks(table[: -(-seq_len // block_size)], pool.shape[0])
-        raise
 
 
 def gather_kv_loop(pool: Tensor, block_table: Sequence[int], seq_len: int, block_size: int) -> Tensor:

@@ -36,6 +36,12 @@ def ref_gather(pool: torch.Tensor, table: list[int], seq_len: int) -> torch.Tens
     return torch.stack(rows[:seq_len]) if seq_len else pool.new_empty(0, *pool.shape[2:])
 
 
+def batched_gather(pool: torch.Tensor, tables, seq_lens, block_size: int, out=None) -> torch.Tensor:
+    """The engine's per-step read as one call: every request's context slots, then one gather."""
+    slots = ops.batched_slot_mapping(tables, [0] * len(seq_lens), list(seq_lens), block_size)
+    return ops.gather_slots(pool, slots, out=out)
+
+
 def make_pool(num_blocks: int = 12, block_size: int = 4, heads: int = 2, dim: int = 3, dtype=torch.float32):
     # Distinct values everywhere, exact in every dtype used: any misplaced row is caught.
     values = torch.arange(num_blocks * block_size * heads * dim) % 2048
@@ -50,7 +56,7 @@ def all_readers(pool: torch.Tensor, table, seq_len: int) -> dict[str, torch.Tens
         "loop": reference.gather_kv_loop(pool, listed, seq_len, block_size),
         "indexed": reference.gather_kv_indexed(pool, listed, seq_len, block_size),
         "slots": ops.gather_slots(pool, ops.slot_mapping(table, 0, seq_len, block_size)),
-        "batched": reference.batched_gather_kv(pool, [listed], [seq_len], block_size),
+        "batched": batched_gather(pool, [listed], [seq_len], block_size),
         "reference": ref_gather(pool, listed, seq_len),
     }
 
@@ -126,7 +132,7 @@ def test_batched_equals_per_request_concatenated(data, block_size):
     per_request = [ops.slot_mapping(t, a, b, block_size) for t, a, b in zip(tables, starts, ends, strict=True)]
     assert torch.equal(slots, torch.cat(per_request) if per_request else torch.empty(0, dtype=torch.int64))
 
-    gathered = reference.batched_gather_kv(pool, tables, ends, block_size)
+    gathered = batched_gather(pool, tables, ends, block_size)
     singles = [reference.gather_kv(pool, t, e, block_size) for t, e in zip(tables, ends, strict=True)]
     assert gathered.shape == (sum(ends), 2, 2)
     if singles:
@@ -136,7 +142,7 @@ def test_batched_equals_per_request_concatenated(data, block_size):
 def test_batched_shares_blocks_across_requests():
     pool = make_pool()
     tables, seq_lens = [[4, 7, 1], [4, 7], [1]], [10, 6, 2]
-    got = reference.batched_gather_kv(pool, tables, seq_lens, 4)
+    got = batched_gather(pool, tables, seq_lens, 4)
     assert torch.equal(got, torch.cat([ref_gather(pool, t, n) for t, n in zip(tables, seq_lens, strict=True)]))
 
 
@@ -148,7 +154,7 @@ def test_out_buffer_is_filled_and_returned(seq_len):
     assert ops.gather_slots(pool, ops.slot_mapping(table, 0, seq_len, 4), out=out2) is out2
     assert torch.equal(out2, expected)
     out3 = torch.full((seq_len, 2, 3), -1.0)
-    reference.batched_gather_kv(pool, [table], [seq_len], 4, out=out3)
+    batched_gather(pool, [table], [seq_len], 4, out=out3)
     assert torch.equal(out3, expected)
 
 
@@ -199,7 +205,7 @@ POOL = make_pool()  # 12 blocks of 4 slots, [2, 3] per slot
 ERRORS = {
     "block id too large": (lambda: reference.gather_kv(POOL, [0, 12], 5, 4), r"block ids must lie in \[0, 12\)"),
     "negative block id": (lambda: reference.gather_kv(POOL, [-1], 1, 4), r"block ids must lie in \[0, 12\)"),
-    "batched block id": (lambda: reference.batched_gather_kv(POOL, [[1], [99]], [1, 1], 4), "block ids must lie"),
+    "batched block id": (lambda: batched_gather(POOL, [[1], [99]], [1, 1], 4), r"slot ids must lie in \[0, 48\)"),
     "seq_len beyond table": (lambda: reference.gather_kv(POOL, [1, 2], 9, 4), "needs 3 blocks but the block table"),
     "loop seq_len": (lambda: reference.gather_kv_loop(POOL, [1], 5, 4), "allocate more blocks"),
     "indexed seq_len": (lambda: reference.gather_kv_indexed(POOL, [1], 5, 4), "allocate more blocks"),
@@ -231,8 +237,8 @@ ERRORS = {
         "out must",
     ),
     "batched lengths": (
-        lambda: reference.batched_gather_kv(POOL, [[1]], [1, 1], 4),
-        "1 block tables but 2 seq_lens",
+        lambda: batched_gather(POOL, [[1]], [1, 1], 4),
+        "block_tables, starts and ends must have the same length",
     ),
     "write float slots": (
         lambda: ops.write_kv(POOL.clone(), torch.tensor([0.0]), torch.zeros(1, 2, 3)),
@@ -280,7 +286,7 @@ def test_only_the_blocks_within_seq_len_are_read():
     # A stale id past seq_len (e.g. a table slot not filled yet) is never read, so it is not an error.
     pool = make_pool()
     assert torch.equal(reference.gather_kv(pool, [3, 999], 4, 4), ref_gather(pool, [3], 4))
-    assert torch.equal(reference.batched_gather_kv(pool, [[3, 999]], [4], 4), ref_gather(pool, [3], 4))
+    assert torch.equal(batched_gather(pool, [[3, 999]], [4], 4), ref_gather(pool, [3], 4))
 
 
 def test_large_shuffled_table_matches_reference():
