@@ -17,7 +17,6 @@ silently left out, and a Llama 3.2 or Phi-3.5 file would run with plain RoPE. :f
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -25,6 +24,7 @@ import torch
 from gguf.quants import dequantize
 
 from pagedkv.model.gguf_file import GGUFError, GGUFFile
+from pagedkv.model.rope_scaling import llama3_inv_freq
 
 LLAMA3_FREQS = "rope_freqs.weight"
 _LONGROPE = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}
@@ -57,24 +57,14 @@ def _llama3(gguf: GGUFFile, config: Any) -> None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     base = float(config.rope_parameters["rope_theta"])
     params = {"rope_type": "llama3", "rope_theta": base, "factor": float(divisors.max()), **_LLAMA3}
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    if divisors.shape != inv_freq.shape or not torch.allclose(_llama3_divisors(inv_freq, params), divisors, rtol=1e-6):
+    inv_freq = (1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))).double()
+    expected = (inv_freq / llama3_inv_freq(inv_freq, params)).float()  # each pair's divisor, as the file holds
+    if divisors.shape != expected.shape or not torch.allclose(expected, divisors, rtol=1e-6):
         raise GGUFError(
             f"{gguf.path}: tensor {LLAMA3_FREQS!r} does not hold Llama 3's RoPE scaling (low_freq_factor 1, "
             "high_freq_factor 4, original context 8192): pagedkv does not read other per-pair RoPE divisors"
         )
     config.rope_parameters = params
-
-
-def _llama3_divisors(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
-    """The divisor of each pair's frequency that llama3 scaling amounts to (llama.cpp's ``rope_freqs``)."""
-    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
-    context = params["original_max_position_embeddings"]
-    wavelength = 2 * math.pi / inv_freq.double()
-    smooth = (context / wavelength - low) / (high - low)
-    blended = 1 / ((1 - smooth) / factor + smooth)
-    divisors = torch.where(wavelength > context / low, torch.full_like(blended, factor), blended)
-    return torch.where(wavelength < context / high, torch.ones_like(blended), divisors).float()
 
 
 def _phi3(gguf: GGUFFile, config: Any) -> None:

@@ -50,11 +50,11 @@ def rope_frequencies(rotary_dim: int, params: dict[str, Any], max_positions: int
     if rope_type == "linear":
         return inv_freq / float(params["factor"]), 1.0
     if rope_type == "llama3":
-        return _llama3(inv_freq, params), 1.0
+        return llama3_inv_freq(inv_freq, params), 1.0
     return inv_freq, 1.0
 
 
-def _llama3(inv_freq: Tensor, params: dict[str, Any]) -> Tensor:
+def llama3_inv_freq(inv_freq: Tensor, params: dict[str, Any]) -> Tensor:
     """Llama 3.1 scaling: long wavelengths slowed by ``factor``, short ones kept, a smooth blend between.
 
     Wavelengths are compared to the original training context: below ``context / high_freq_factor`` the
