@@ -1,4 +1,7 @@
-"""One linear layer, exact panel GEMM ("gguf") against the int8-activation GEMM ("gguf-int8"), per type.
+"""One linear layer, exact panel GEMM ("gguf") against the int8-activation GEMMs ("gguf-int8"), per type.
+
+"file" is the kernel that reads the GGUF blocks in place (the legacy types' path, and Q4_K / Q6_K's before they
+were repacked); "tiled" the Q4_K / Q6_K kernel on the repacked groups of 16 outputs that "gguf-int8" now loads.
 
     python benchmarks/int8_linear.py [--threads 1] [--rounds 3]
 
@@ -22,10 +25,11 @@ import torch  # noqa: E402
 from gguf import GGML_QUANT_SIZES  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
-from pagedkv.model import gguf_blocks, panel  # noqa: E402
+from pagedkv.model import gguf_blocks, int8_linear, panel  # noqa: E402
 from pagedkv.model.panel import INT8_FORMAT_BASE, PanelWeight  # noqa: E402
 
 HALVES_AT = {T.Q4_0: (0,), T.Q4_K: (0, 2), T.Q6_K: (208,)}  # where each block's fp16 scales sit
+REPACKED = (T.Q4_K, T.Q6_K)
 SHAPES = [(T.Q4_K, 5632, 2048), (T.Q6_K, 2048, 5632), (T.Q4_0, 5632, 2048)]
 
 
@@ -53,22 +57,33 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
-    print(f"{'type':6}{'N x K':>13}{'rows':>6}{'exact us':>11}{'int8 us':>10}{'exact/int8':>12}")
+    print(
+        f"{'type':6}{'N x K':>13}{'rows':>6}{'exact us':>11}{'file us':>10}{'tiled us':>10}"
+        f"{'exact/file':>12}{'exact/tiled':>13}"
+    )
     for ggml_type, n, k in SHAPES:
         raw = random_blocks(ggml_type, n, k, rng)
-        exact = gguf_blocks.pack(raw, int(ggml_type), n, k)
-        int8 = PanelWeight(raw, n, k, f"int8-{ggml_type.name.lower()}")
-        assert panel.FORMATS[int8.format] == INT8_FORMAT_BASE + int(ggml_type)
+        weights = {
+            "exact": gguf_blocks.pack(raw, int(ggml_type), n, k),
+            "file": PanelWeight(raw, n, k, f"int8-{ggml_type.name.lower()}"),
+        }
+        assert panel.FORMATS[weights["file"].format] == INT8_FORMAT_BASE + int(ggml_type)
+        if ggml_type in REPACKED:
+            weights["tiled"] = int8_linear.repack(raw, n, k, ggml_type)
         for rows in (1, 32):
             x = torch.randn(rows, k)
             repeats = 20 if rows == 1 else 5
-            times = {"exact": [], "int8": []}
-            for _ in range(args.rounds):
-                times["exact"].append(cpu_us(lambda x=x, w=exact: panel.panel_linear(x, w), repeats))
-                times["int8"].append(cpu_us(lambda x=x, w=int8: panel.panel_linear(x, w), repeats))
+            times = {name: [] for name in weights}
+            for _ in range(args.rounds):  # alternately, so that a noisy neighbour hits each alike
+                for name, w in weights.items():
+                    times[name].append(cpu_us(lambda x=x, w=w: panel.panel_linear(x, w), repeats))
             best = {name: min(values) for name, values in times.items()}
-            print(f"{ggml_type.name:6}{f'{n} x {k}':>13}{rows:>6}{best['exact']:>11.0f}{best['int8']:>10.0f}"
-                  f"{best['exact'] / best['int8']:>12.2f}", flush=True)
+            tiled = best.get("tiled", float("nan"))
+            print(
+                f"{ggml_type.name:6}{f'{n} x {k}':>13}{rows:>6}{best['exact']:>11.0f}{best['file']:>10.0f}"
+                f"{tiled:>10.0f}{best['exact'] / best['file']:>12.2f}{best['exact'] / tiled:>13.2f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -39,6 +39,11 @@
 //
 // W is the GGUF file's blocks as they are, row-major [N][K / block] (a one-row GEMV reads it as one stream), so
 // it may view the read-only memory map. Format code: kFormatBase + the ggml type id.
+//
+// Q4_K and Q6_K also come repacked in groups of 16 outputs (format kRepackedBase + the type id; int8_repack.h,
+// built by the int8_repack op), which is how "gguf-int8" loads them: their tiled kernel (int8_tiled.h) puts 16
+// outputs in the lanes of a vector and has no per-block horizontal sum -- its own canonical order is stated there.
+// The file-order kernels of those two types stay for comparison (benchmarks/int8_linear.py).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -48,6 +53,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -57,10 +63,13 @@
 #include "int8_avx512.h"
 #include "int8_blocks.h"
 #include "int8_quantise.h"
+#include "int8_repack.h"
+#include "int8_tiled.h"
 
 namespace {
 
 constexpr int64_t kFormatBase = 64;
+constexpr int64_t kRepackedBase = 128;  // + ggml type: Q4_K / Q6_K repacked in groups of 16 outputs (int8_repack.h)
 constexpr int64_t kTile = 4;    // x rows per pass over a weight block (accumulators in registers)
 constexpr int64_t kChunk = 16;  // outputs whose weights stay in L2 while every tile passes
 
@@ -164,8 +173,52 @@ void run_type(const Problem& p, int64_t n, bool vnni) {
   run_tiles(p, n, vnni ? kTiles<T, true> : kTiles<T, false>);
 }
 
+// ---- The repacked K-quants (int8_repack.h, int8_tiled.h) --------------------------------------------------------
+
+using TiledFn = void (*)(const Tiled&, int64_t, int64_t);
+
+// The tile functions of a type on a path, for 1 to `rows` activation rows: 8 for AVX-512 (32 vector registers: a
+// sub-block's sums and each row's block sum and accumulators), 4 for AVX2 (16 registers).
+struct TileSet {
+  const TiledFn* fns;
+  int64_t rows;
+};
+
+template <int... R>
+constexpr std::array<TiledFn, sizeof...(R)> q4_k_avx2 = {q4_k_tile<R>...};
+template <int... R>
+constexpr std::array<TiledFn, sizeof...(R)> q6_k_avx2 = {q6_k_tile<R>...};
+template <int... R>
+constexpr std::array<TiledFn, sizeof...(R)> q4_k_avx512 = {q4_k_tile_512<R>...};
+template <int... R>
+constexpr std::array<TiledFn, sizeof...(R)> q6_k_avx512 = {q6_k_tile_512<R>...};
+
+TileSet tiles_of(int64_t type, bool vnni) {
+  if (vnni) {
+    return {type == kQ4_K ? q4_k_avx512<1, 2, 3, 4, 5, 6, 7, 8>.data() : q6_k_avx512<1, 2, 3, 4, 5, 6, 7, 8>.data(),
+            8};
+  }
+  return {type == kQ4_K ? q4_k_avx2<1, 2, 3, 4>.data() : q6_k_avx2<1, 2, 3, 4>.data(), 4};
+}
+
+// Groups split over threads; per group, every tile of rows in turn (the group's weights stay in L1 / L2).
+void run_groups(const Tiled& p, int64_t m, TileSet tiles) {
+  at::parallel_for(0, (p.n + kGroup - 1) / kGroup, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t group = begin; group < end; ++group)
+      for (int64_t r0 = 0; r0 < m; r0 += tiles.rows) tiles.fns[std::min(tiles.rows, m - r0) - 1](p, group, r0);
+  });
+}
+
+int64_t repacked_bytes(int64_t type) { return type == kQ4_K ? Q4KLayout::kBytes : Q6KLayout::kBytes; }
+int64_t file_bytes(int64_t type) { return type == kQ4_K ? Q4KLayout::kFileBytes : Q6KLayout::kFileBytes; }
+
+bool is_repacked(int64_t format) {
+  return format == kRepackedBase + kQ4_K || format == kRepackedBase + kQ6_K;
+}
+
 // (values, bytes) of a block of a supported type.
 std::pair<int64_t, int64_t> block_of(const char* op, int64_t format) {
+  if (is_repacked(format)) return {256, file_bytes(format - kRepackedBase)};
   switch (format - kFormatBase) {
     case kQ4_0: return {Q4_0::kBlock, Q4_0::kBytes};
     case kQ4_1: return {Q4_1::kBlock, Q4_1::kBytes};
@@ -174,17 +227,20 @@ std::pair<int64_t, int64_t> block_of(const char* op, int64_t format) {
     case kQ4_K: return {Q4_K::kBlock, Q4_K::kBytes};
     case kQ6_K: return {Q6_K::kBlock, Q6_K::kBytes};
     default: TORCH_CHECK_VALUE(false, op, ": format ", format, " is not an int8-activation format (", kFormatBase,
-                               " + ggml type Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K)");
+                               " + ggml type Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K; ", kRepackedBase,
+                               " + Q4_K or Q6_K repacked)");
   }
 }
 
 void check_weight(const char* op, const at::Tensor& w, int64_t n, int64_t k, int64_t format) {
   const auto [block, bytes] = block_of(op, format);
   TORCH_CHECK_VALUE(n >= 0 && k >= 0 && k % block == 0, op, ": K = ", k, " is not a multiple of the block, ", block);
-  TORCH_CHECK_VALUE(w.scalar_type() == at::kByte && w.is_contiguous() &&
-                        w.nbytes() == static_cast<size_t>(n * (k / block) * bytes),
-                    op, ": the weight must be ", n * (k / block) * bytes, " contiguous uint8 bytes (N = ", n,
-                    ", K = ", k, "), got ", w.nbytes());
+  const int64_t want = is_repacked(format)
+                           ? (n + kGroup - 1) / kGroup * (k / block) * repacked_bytes(format - kRepackedBase)
+                           : n * (k / block) * bytes;
+  TORCH_CHECK_VALUE(w.scalar_type() == at::kByte && w.is_contiguous() && w.nbytes() == static_cast<size_t>(want), op,
+                    ": the weight must be ", want, " contiguous uint8 bytes (N = ", n, ", K = ", k, "), got ",
+                    w.nbytes());
 }
 
 void into(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t k, int64_t format, at::Tensor& y, int64_t col,
@@ -203,14 +259,20 @@ void into(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t k, int64_
     y.narrow(1, col, n).zero_();
     return;
   }
-  const int64_t type = format - kFormatBase;
+  const bool vnni = path == kVnni || (path == kAuto && has_vnni());
+  const int64_t type = format - (is_repacked(format) ? kRepackedBase : kFormatBase);
   const Quantised a = quantise(x.contiguous(), type);
+  if (is_repacked(format)) {
+    const Tiled p{static_cast<const uint8_t*>(w.data_ptr()), k / 256, n, k, a.q.data_ptr<int8_t>(),
+                  a.d.data_ptr<float>(), a.sums.data_ptr<int16_t>(), a.sums.size(1), y.data_ptr<float>() + col,
+                  y.size(1)};
+    return run_groups(p, x.size(0), tiles_of(type, vnni));
+  }
   const auto [block, bytes] = block_of("int8_linear", format);
   const Problem p{static_cast<const uint8_t*>(w.data_ptr()), k / block * bytes, k / block, x.size(0), k,
                   a.q.data_ptr<int8_t>(), a.d.data_ptr<float>(), type == kQ4_1 ? a.sums.data_ptr<float>() : nullptr,
                   uses_q8_k(type) ? a.sums.data_ptr<int16_t>() : nullptr, a.sums.size(1), y.data_ptr<float>() + col,
                   y.size(1)};
-  const bool vnni = path == kVnni || (path == kAuto && has_vnni());
   switch (type) {
     case kQ4_0: run_type<Q4_0>(p, n, vnni); break;
     case kQ4_1: run_type<Q4_1>(p, n, vnni); break;
@@ -244,8 +306,62 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_quantise(const at::Tensor& x
   const auto [block, bytes] = block_of("_int8_quantise", format);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % block == 0,
               "_int8_quantise: x must be a 2-D float32 tensor with a multiple of ", block, " columns");
-  Quantised a = quantise(x.contiguous(), format - kFormatBase);
+  Quantised a = quantise(x.contiguous(), format - (is_repacked(format) ? kRepackedBase : kFormatBase));
   return {a.q, a.d, a.sums};
+}
+
+// Q4_K / Q6_K blocks [N][K / 256] as the file holds them -> the repacked layout of `format` (int8_repack.h); the
+// last group's padding columns are zeros.
+at::Tensor int8_repack(const at::Tensor& blocks, int64_t n, int64_t k, int64_t format) {
+  TORCH_CHECK_VALUE(is_repacked(format), "int8_repack: format ", format, " is not a repacked format (", kRepackedBase,
+                    " + Q4_K or Q6_K)");
+  const int64_t type = format - kRepackedBase, row_bytes = k / 256 * file_bytes(type);
+  check_weight("int8_repack", blocks, n, k, kFormatBase + type);
+  const int64_t groups = (n + kGroup - 1) / kGroup, per_group = k / 256 * repacked_bytes(type);
+  at::Tensor out = at::zeros({groups * per_group}, blocks.options());
+  const uint8_t* src = blocks.const_data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      for (int64_t col = 0; col < std::min(kGroup, n - kGroup * g); ++col) {
+        for (int64_t i = 0; i < k / 256; ++i) {
+          uint8_t* block = dst + g * per_group + i * repacked_bytes(type);
+          const uint8_t* file = src + (kGroup * g + col) * row_bytes + i * file_bytes(type);
+          if (type == kQ4_K) q4_k_column<true>(block, col, file);
+          else q6_k_column<true>(block, col, file);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// Rows `ids` of a repacked weight as the file's blocks, [len(ids), K / 256 * block bytes] uint8: what gguf_rows
+// de-quantises for the embedding lookup of a tied LM head.
+at::Tensor int8_repacked_blocks(const at::Tensor& packed, const at::Tensor& ids, int64_t n, int64_t k, int64_t format) {
+  TORCH_CHECK_VALUE(is_repacked(format), "int8_repacked_blocks: format ", format, " is not a repacked format");
+  check_weight("int8_repacked_blocks", packed, n, k, format);
+  TORCH_CHECK_VALUE(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(),
+                    "int8_repacked_blocks: ids must be a contiguous int64 [T] tensor");
+  const int64_t type = format - kRepackedBase, row_bytes = k / 256 * file_bytes(type);
+  const int64_t per_group = k / 256 * repacked_bytes(type), count = ids.numel();
+  const int64_t* id = ids.const_data_ptr<int64_t>();
+  for (int64_t r = 0; r < count; ++r)
+    TORCH_CHECK_VALUE(id[r] >= 0 && id[r] < n, "int8_repacked_blocks: ids[", r, "] = ", id[r], " is outside [0, ", n,
+                      ")");
+  at::Tensor out = at::empty({count, row_bytes}, packed.options());
+  // the layout is read only here; the unpacking writes through a non-const pointer it never writes to
+  uint8_t* src = const_cast<uint8_t*>(packed.const_data_ptr<uint8_t>());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t r = 0; r < count; ++r) {
+    for (int64_t i = 0; i < k / 256; ++i) {
+      uint8_t* block = src + id[r] / kGroup * per_group + i * repacked_bytes(type);
+      uint8_t* file = dst + r * row_bytes + i * file_bytes(type);
+      if (type == kQ4_K) q4_k_column<false>(block, id[r] % kGroup, file);
+      else q6_k_column<false>(block, id[r] % kGroup, file);
+    }
+  }
+  return out;
 }
 
 }  // namespace
@@ -257,4 +373,7 @@ TORCH_LIBRARY_FRAGMENT(pagedkv, lib) {
   // Private: the same with the path forced (0 auto, 1 AVX2, 2 AVX512-VNNI); the activations as quantised.
   lib.def("_int8_linear_path(Tensor x, Tensor blocks, int n, int k, int format, int path) -> Tensor", &run);
   lib.def("_int8_quantise(Tensor x, int format) -> (Tensor, Tensor, Tensor)", &int8_quantise);
+  lib.def("int8_repack(Tensor blocks, int n, int k, int format) -> Tensor", &int8_repack);
+  lib.def("int8_repacked_blocks(Tensor packed, Tensor ids, int n, int k, int format) -> Tensor",
+          &int8_repacked_blocks);
 }

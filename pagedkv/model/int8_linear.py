@@ -1,4 +1,4 @@
-"""``weight_format="gguf-int8"``: llama.cpp's arithmetic on a GGUF file's blocks (``csrc/int8_linear.cpp``).
+"""``weight_format="gguf-int8"``: llama.cpp's arithmetic on a GGUF file's codes (``csrc/int8_linear.cpp``).
 
 The exact default (``"gguf"``) de-quantises every weight to fp32 in registers and multiplies in fp32: the same
 logits as HF transformers loading the file, at the price of fp32 arithmetic on every weight. This format trades
@@ -8,7 +8,14 @@ them), and dotted in integers with the weights' own codes, the scales applied on
 kernels do. What it gives up: logits carry the activations' rounding (about 1/254 of a block's largest value
 per activation), so they are no longer bit-equal to HF's, and greedy output can differ where two tokens are
 close. What it keeps: a row's result does not depend on the other rows of its batch (the Determinism section
-of DESIGN.md), and the weights are read in place from the memory-mapped file (nothing is repacked).
+of DESIGN.md).
+
+Q4_K and Q6_K (all of a Q4_K_M file) are repacked at load, in one pass in C++ over the file's bytes, into
+groups of 16 output rows (``csrc/int8_repack.h``), the layout of the tiled kernel (``csrc/int8_tiled.h``) that
+makes a 32-row GEMM several times faster than on the file's row-major blocks; the copy is the file tensor's size
+(148 / 144 bytes a block for Q4_K, 212 / 210 for Q6_K), and the file's pages are let go after each layer, so a
+process holds the repacked copy, not the file. The legacy types (Q4_0, Q4_1, Q5_0, Q8_0) are read in place from
+the memory-mapped file.
 
 Types with an int8 kernel: :data:`TYPES` (those of a Q4_K_M file, and Q4_0 / Q4_1). A tensor of any other type
 stays on the exact path (packed for the panel GEMM), with a log line naming it.
@@ -18,21 +25,28 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from gguf import GGMLQuantizationType as T
+from torch import Tensor
 
+from pagedkv import kernels
 from pagedkv.model.gguf_file import GGUFTensor
-from pagedkv.model.panel import INT8_FORMAT_BASE, INT8_FORMATS, PanelWeight
+from pagedkv.model.panel import INT8_FORMAT_BASE, INT8_FORMATS, INT8_REPACKED_BASE, PanelWeight
 
 logger = logging.getLogger(__name__)
 
 WEIGHT_FORMAT = "gguf-int8"
 TYPES = {int(t): f"int8-{t.name.lower()}" for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K)}
 assert all(INT8_FORMATS[name] == INT8_FORMAT_BASE + t for t, name in TYPES.items())
+# Q4_K and Q6_K are repacked at load for the tiled kernel; the others are read in place
+REPACKED = {int(t): f"int8-{t.name.lower()}-x16" for t in (T.Q4_K, T.Q6_K)}
+assert all(INT8_FORMATS[name] == INT8_REPACKED_BASE + t for t, name in REPACKED.items())
 
 
 def weight(tensor: GGUFTensor) -> PanelWeight | None:
-    """``tensor``'s blocks as they are in the file, for the int8-activation GEMM; None (with an info line naming
-    the tensor) for a type it has no kernel for, which the caller then computes exactly."""
+    """``tensor`` for the int8-activation GEMM: Q4_K / Q6_K repacked (:func:`repack`), the other types' blocks as
+    they are in the file; None (with an info line naming the tensor) for a type it has no kernel for, which the
+    caller then computes exactly."""
     name = TYPES.get(tensor.ggml_type)
     if name is None:
         logger.info(
@@ -40,4 +54,15 @@ def weight(tensor: GGUFTensor) -> PanelWeight | None:
             tensor.file, tensor.name, tensor.type_name,
         )
         return None
+    if tensor.ggml_type in REPACKED:
+        return repack(tensor.data, tensor.shape[0], tensor.k, tensor.ggml_type)
     return PanelWeight(tensor.data.contiguous(), tensor.shape[0], tensor.k, name)
+
+
+def repack(blocks: Tensor, n: int, k: int, ggml_type: int) -> PanelWeight:
+    """Q4_K / Q6_K ``blocks`` (the file's bytes, ``[n, row bytes]``) repacked in groups of 16 outputs for the
+    tiled kernel (``csrc/int8_repack.h``): one pass in C++, the file's bytes read once."""
+    kernels.gemm.require("gguf-int8 repacks Q4_K / Q6_K weights with them")
+    fmt = REPACKED[int(ggml_type)]
+    packed = torch.ops.pagedkv.int8_repack(blocks.contiguous(), n, k, INT8_FORMATS[fmt])
+    return PanelWeight(packed, n, k, fmt)

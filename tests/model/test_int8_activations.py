@@ -2,6 +2,9 @@
 reference of llama.cpp's arithmetic: x quantised as ggml's reference quantisers do, integer dot products with the
 weights' codes, the block scales applied in fp32 -- per type, on random blocks with extreme scales, on every
 instruction-set path; the quantisation itself against the ``gguf`` package's; batch invariance bit for bit.
+Q4_K and Q6_K repacked in groups of 16 outputs (``csrc/int8_repack.h``, what "gguf-int8" loads them as) run the
+tiled kernel (``csrc/int8_tiled.h``), whose float steps are canonical: the numpy reference replays them bit for
+bit (:func:`canonical`); the file-order kernel of those types is held to fp32 rounding of the exact sums.
 The end-to-end check (a tiny GGUF model, exact vs int8 logits) is in tests/model/test_int8_model.py."""
 
 from __future__ import annotations
@@ -15,13 +18,15 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
 from pagedkv import kernels
-from pagedkv.model.panel import INT8_FORMAT_BASE
+from pagedkv.model import int8_linear, panel
+from pagedkv.model.panel import INT8_FORMAT_BASE, INT8_REPACKED_BASE
 
 pytestmark = pytest.mark.skipif(not kernels.gemm.available(), reason="the GEMM library does not build here")
 
 AUTO, AVX2, VNNI = 0, 1, 2
 PATHS = [AVX2] + ([VNNI] if "avx512_vnni" in Path("/proc/cpuinfo").read_text().split() else [])
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]
+K_QUANTS = [T.Q4_K, T.Q6_K]
 BLOCK = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q5_0: (32, 22), T.Q8_0: (32, 34), T.Q4_K: (256, 144), T.Q6_K: (256, 210)}
 HALF_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q6_K: (208,)}
 # fp16 scales the random blocks draw from: ordinary ones and the extremes (largest, smallest normal, subnormal, 0)
@@ -158,6 +163,53 @@ def _block_sums(q: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> tuple[n
     return exact, absolute
 
 
+def fmaf(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """C's fmaf on float32 arrays: a b + c rounded once. In float64 the product is exact (24 + 24 bits); the sum
+    is rounded to odd (TwoSum's error picks the last bit), which the rounding to float32 then leaves correct."""
+    p, c = a.astype(np.float64) * b.astype(np.float64), c.astype(np.float64)
+    s = np.ascontiguousarray(p + c)
+    behind = s - c
+    error = (p - behind) + (c - (s - behind))
+    even = (s.view(np.int64) & 1) == 0
+    s = np.where((error != 0) & even, np.nextafter(s, np.where(error > 0, np.inf, -np.inf)), s)
+    return s.astype(np.float32)
+
+
+def canonical(x: np.ndarray, raw: np.ndarray, ggml_type: T, k: int) -> np.ndarray:
+    """Q4_K / Q6_K as the tiled kernel computes them, bit for bit (the order in csrc/int8_tiled.h): per block the
+    exact integer sums, then acc = fmaf(isum, da d, acc) and (Q4_K) accm = fmaf(imin, -(da dmin), accm), blocks
+    in file order; y = acc + accm, all fp32."""
+    m, n = len(x), len(raw)
+    w = raw.reshape(n, k // 256, -1)
+    q, d, bsum = quantise_q8_k(x)
+    q = q.astype(np.int64)
+    if ggml_type == T.Q4_K:
+        codes, sc, mn, wd, wmin = q4_k_codes(w)
+        dots = np.einsum("mbsg,nbsg->mnbs", q.reshape(m, -1, 8, 32), codes.reshape(n, -1, 8, 32).astype(np.int64))
+        imin = (bsum.reshape(m, 1, -1, 8, 2).sum(-1) * mn[None]).sum(-1)
+        min_scale = -(d[:, None] * wmin[None])
+    else:
+        codes, sc, wd = q6_k_codes(w)  # the offset of 32 taken off the codes: the same integer as the kernel's
+        dots = np.einsum("mbsg,nbsg->mnbs", q.reshape(m, -1, 16, 16), codes.reshape(n, -1, 16, 16).astype(np.int64))
+        imin, min_scale = np.zeros((m, n, k // 256)), np.zeros((m, n, k // 256), np.float32)
+    isum = (dots * sc[None]).sum(-1)
+    assert np.abs(isum).max(initial=0) < 2**31  # int32 in the kernel
+    scale = d[:, None] * wd[None]  # float32 products, as the kernel's
+    acc = accm = np.zeros((m, n), np.float32)
+    for i in range(k // 256):
+        acc = fmaf(isum[..., i].astype(np.float32), scale[..., i], acc)
+        accm = fmaf(imin[..., i].astype(np.float32), min_scale[..., i], accm)
+    return acc + accm
+
+
+def repacked(raw: np.ndarray, ggml_type: T, n: int, k: int) -> torch.Tensor:
+    return int8_linear.repack(torch.from_numpy(raw), n, k, ggml_type).packed
+
+
+def _run_tiled(x: torch.Tensor, packed: torch.Tensor, ggml_type: T, n: int, k: int, path: int = AUTO) -> torch.Tensor:
+    return torch.ops.pagedkv._int8_linear_path(x, packed, n, k, INT8_REPACKED_BASE + int(ggml_type), path)
+
+
 # ---- The reference's own anchors ----------------------------------------------------------------------------------
 
 
@@ -284,3 +336,89 @@ def test_bad_arguments_are_refused_by_name():
         torch.ops.pagedkv.int8_linear(torch.randn(1, 128), blocks, 4, 128, 76)
     with pytest.raises(RuntimeError, match="x must be a 2-D float32"):
         torch.ops.pagedkv.int8_linear(torch.randn(1, 200), blocks, 4, 256, 76)
+
+
+def test_fmaf_rounds_once():
+    """(1 + 2^-12)^2 - 1 = 2^-11 + 2^-24: fused, exact; rounded after the product, 2^-11."""
+    a = np.array([1 + 2**-12], np.float32)
+    assert fmaf(a, a, np.array([-1.0], np.float32))[0] == np.float32(2**-11 + 2**-24)
+    assert fmaf(a, a, np.array([0.0], np.float32))[0] == (a * a)[0]
+
+
+# ---- The repacked K-quants and the tiled kernel --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ggml_type", K_QUANTS, ids=lambda t: t.name)
+def test_repacking_keeps_every_byte(ggml_type):
+    """The file's blocks of any rows come back from the groups exactly (37 rows: a last group of 5 and 11 zero
+    rows), and the embedding lookup's rows from a repacked weight are those of the file's blocks."""
+    raw = random_blocks(ggml_type, 37, 512, np.random.default_rng(9))
+    packed = repacked(raw, ggml_type, 37, 512)
+    ids = torch.tensor([36, 0, 17, 16, 15, 36])
+    back = torch.ops.pagedkv.int8_repacked_blocks(packed, ids, 37, 512, INT8_REPACKED_BASE + int(ggml_type))
+    assert np.array_equal(back.numpy(), raw[ids.numpy()])
+    weight = panel.PanelWeight(packed, 37, 512, int8_linear.REPACKED[int(ggml_type)])
+    in_place = panel.PanelWeight(torch.from_numpy(raw), 37, 512, int8_linear.TYPES[int(ggml_type)])
+    assert torch.equal(panel.rows(weight, ids), panel.rows(in_place, ids))
+
+
+@pytest.mark.parametrize("path", PATHS, ids=["avx2", "vnni"][: len(PATHS)])
+@pytest.mark.parametrize("ggml_type", K_QUANTS, ids=lambda t: t.name)
+def test_tiled_kernel_is_the_canonical_order_bit_for_bit(ggml_type, path):
+    """Random blocks with extreme scales, 1-19 rows (tiles of 8 or 4 and a rest), N = 37, 16 and 5 (groups of 16,
+    padded): the reference's bits, which are themselves within fp32 rounding of llama.cpp's exact sums."""
+    rng = np.random.default_rng(10 + int(ggml_type))
+    k = 512
+    for n in (37, 16, 5):
+        raw = random_blocks(ggml_type, n, k, rng)
+        packed = repacked(raw, ggml_type, n, k)
+        for rows in (1, 8, 19):
+            x = (rng.normal(size=(rows, k)) * rng.choice([1e-3, 1.0, 1e3], size=(rows, 1))).astype(np.float32)
+            want = canonical(x, raw, ggml_type, k)
+            assert np.array_equal(_run_tiled(torch.from_numpy(x), packed, ggml_type, n, k, path).numpy(), want)
+            exact, condition = reference(x, raw, ggml_type, k)
+            assert np.all(np.abs(want - exact) <= 1.5e-6 * condition), (n, rows)
+
+
+@pytest.mark.parametrize("ggml_type", K_QUANTS, ids=lambda t: t.name)
+def test_tiled_rows_do_not_depend_on_their_batch(ggml_type):
+    """Each of 33 rows alone gives the bits it gets as row r of every batch of 1..33 rows, on AVX2 and VNNI alike,
+    on one thread or two."""
+    raw = random_blocks(ggml_type, 40, 512, np.random.default_rng(11))
+    packed = repacked(raw, ggml_type, 40, 512)
+    x = torch.randn(33, 512, generator=torch.Generator().manual_seed(11))
+    alone = torch.cat([_run_tiled(x[i : i + 1], packed, ggml_type, 40, 512, AVX2) for i in range(33)])
+    for path in PATHS:
+        for rows in range(1, 34):
+            assert torch.equal(_run_tiled(x[:rows], packed, ggml_type, 40, 512, path), alone[:rows]), (path, rows)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(_run_tiled(x, packed, ggml_type, 40, 512), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_tiled_into_fills_only_its_columns():
+    """N = 20 (a last group of 4 real columns) into columns [17, 37) of a wider y: nothing else is written."""
+    raw = random_blocks(T.Q6_K, 20, 256, np.random.default_rng(12))
+    packed = repacked(raw, T.Q6_K, 20, 256)
+    x = torch.randn(3, 256)
+    y = torch.full((3, 50), float("nan"))
+    torch.ops.pagedkv.int8_linear_into(x, packed, 20, 256, INT8_REPACKED_BASE + int(T.Q6_K), y, 17)
+    assert torch.equal(y[:, 17:37], _run_tiled(x, packed, T.Q6_K, 20, 256))
+    assert y[:, :17].isnan().all() and y[:, 37:].isnan().all()
+
+
+def test_bad_repacked_arguments_are_refused_by_name():
+    raw = torch.from_numpy(random_blocks(T.Q4_K, 4, 256, np.random.default_rng(13)))
+    packed = repacked(raw.numpy(), T.Q4_K, 4, 256)
+    assert packed.numel() == 2368  # one group of 16 columns, one block
+    with pytest.raises(ValueError, match="must be 2368 contiguous uint8 bytes"):
+        torch.ops.pagedkv.int8_linear(torch.randn(1, 256), raw, 4, 256, INT8_REPACKED_BASE + int(T.Q4_K))
+    with pytest.raises(ValueError, match="not a repacked format"):
+        torch.ops.pagedkv.int8_repack(raw, 4, 256, INT8_FORMAT_BASE + int(T.Q4_K))
+    with pytest.raises(ValueError, match="must be 576 contiguous uint8 bytes"):
+        torch.ops.pagedkv.int8_repack(packed, 4, 256, INT8_REPACKED_BASE + int(T.Q4_K))
+    with pytest.raises(ValueError, match="outside"):
+        torch.ops.pagedkv.int8_repacked_blocks(packed, torch.tensor([4]), 4, 256, INT8_REPACKED_BASE + int(T.Q4_K))

@@ -54,10 +54,14 @@ def _score(llm: LLM, sequences: list[list[int]]) -> list[tuple[int, float, list[
 
 
 def _reference_linear(x: torch.Tensor, weight: panel.PanelWeight) -> torch.Tensor:
-    ggml_type = T(panel.INT8_FORMATS[weight.format] - panel.INT8_FORMAT_BASE)
+    code, blocks = panel.INT8_FORMATS[weight.format], weight.packed
+    if code >= panel.INT8_REPACKED_BASE:  # Q4_K / Q6_K in groups of 16: the file's blocks back from them
+        blocks = torch.ops.pagedkv.int8_repacked_blocks(blocks, torch.arange(weight.n), weight.n, weight.k, code)
+        code += panel.INT8_FORMAT_BASE - panel.INT8_REPACKED_BASE
     if x.shape[0] == 0:
         return x.new_zeros(0, weight.n)
-    return torch.from_numpy(reference(x.numpy(), weight.packed.numpy(), ggml_type, weight.k)[0].astype(np.float32))
+    ggml_type = T(code - panel.INT8_FORMAT_BASE)
+    return torch.from_numpy(reference(x.numpy(), blocks.numpy(), ggml_type, weight.k)[0].astype(np.float32))
 
 
 def _score_with_the_reference(llm: LLM, sequences: list[list[int]], monkeypatch) -> list:
@@ -102,13 +106,19 @@ def _compare(path: Path, int8_formats: set[str], monkeypatch) -> None:
 
 
 def test_a_q4_k_m_mix_with_biases_and_a_tied_q8_0_head(tmp_path, monkeypatch):
-    """q, k Q4_K and v Q6_K in one fused layer, Qwen2's biases, the tied Q8_0 head (the embedding's rows then
-    read from its blocks)."""
+    """q, k Q4_K and v Q6_K in one fused layer (both repacked), Qwen2's biases, the tied Q8_0 head (the
+    embedding's rows then read from its blocks)."""
     path = save_tiny_gguf(
         tmp_path / "mix.gguf", T.Q4_K, "qwen2", part_types={"attn_v": T.Q6_K, "ffn_down": T.Q6_K},
         embedding_type=T.Q8_0, tie_word_embeddings=True,
     )
-    _compare(path, {"int8-q4_k", "int8-q6_k", "int8-q8_0"}, monkeypatch)
+    _compare(path, {"int8-q4_k-x16", "int8-q6_k-x16", "int8-q8_0"}, monkeypatch)
+
+
+def test_a_tied_q6_k_head_repacked_serves_the_embedding_too(tmp_path, monkeypatch):
+    """Llama-3.2-1B's Q4_K_M layout: the tied Q6_K head is repacked, and the embedding's rows are unpacked from it."""
+    path = save_tiny_gguf(tmp_path / "tied.gguf", T.Q4_K, embedding_type=T.Q6_K, tie_word_embeddings=True)
+    _compare(path, {"int8-q4_k-x16", "int8-q6_k-x16"}, monkeypatch)
 
 
 def test_the_legacy_types_with_llamas_interleaved_rows(tmp_path, monkeypatch):
@@ -124,6 +134,6 @@ def test_a_type_without_an_int8_kernel_stays_exact_and_says_so(tmp_path, caplog)
     path = save_tiny_gguf(tmp_path / "q5k.gguf", T.Q4_K, part_types={"ffn_up": T.Q5_K})
     with caplog.at_level(logging.INFO, logger="pagedkv.model.int8_linear"):
         llm = LLM(model=str(path), weight_format="gguf-int8", num_kv_blocks=16, max_model_len=64)
-    assert _formats(llm) == {"int8-q4_k", "q5k"}
+    assert _formats(llm) == {"int8-q4_k-x16", "q5k"}
     llm.engine.close()
     assert "'blk.0.ffn_up.weight' is Q5_K, which has no int8-activation kernel" in caplog.text

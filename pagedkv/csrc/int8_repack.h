@@ -1,0 +1,105 @@
+// The repacked layout of Q4_K and Q6_K weights for the tiled int8 GEMM (int8_tiled.h), built once at load from the
+// GGUF file's bytes, and its inverse (the file's blocks of chosen rows back, for the embedding lookup and tests).
+//
+// Why: the file keeps each output row's blocks together, so a kernel that reads them in place dots one output at a
+// time and must fold and sum eight lanes per (block, row). Here 16 outputs ("a group"; zero rows pad the last) sit
+// side by side: one 64-byte load gives 4 consecutive codes of each of the 16 columns in the 16 dword lanes, and one
+// vpdpbusd with a broadcast activation dword adds 64 products into 16 columns' sums -- nothing to reduce across lanes.
+//
+// A group's data for block i lies at (group * blocks + i) * kBytes, every vector at a 64-byte multiple:
+//
+//   Q4_K (2368 bytes = 16 x 148; the file takes 16 x 144)
+//     0     d[16]     fp16, the columns' block scales               32    dmin[16]  fp16
+//     64    sc[4][16][2]  uint8: pair p, column n: (sc_2p, sc_2p+1)  192   mn[4][16][2] the mins, alike
+//     320   qs[4][8][16][4]: [c][t][n][b] = the file's qs[32 c + 4 t + b] of column n (low nibble: sub-block 2c's
+//           code 4 t + b, high nibble: sub-block 2c + 1's)
+//   Q6_K (3392 bytes = 16 x 212; the file takes 16 x 210)
+//     0     d[16]     fp16 (then 32 bytes of padding)
+//     64    sc[8][16][2]  int8: pair p, column n: (sc_2p, sc_2p+1)
+//     320   codes[2][8][3][16][4]: [h][t][0 or 1][n][b] = ql[64 h + 32 s + 4 t + b] for s = 0, 1,
+//                                  [h][t][2][n][b]      = qh[32 h + 4 t + b]
+//           (the kernel's reading order: one stream, which the hardware prefetcher follows; ql and qh in runs of
+//           their own made a one-row GEMV four times slower, waiting on L3)
+// Every byte of a real row's blocks is kept (the 12 packed scale bytes of Q4_K are its 16 6-bit values), so the
+// file's blocks come back exactly (repacked_rows).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace {
+
+constexpr int64_t kGroup = 16;  // output columns side by side
+
+struct Q4KLayout {
+  static constexpr int64_t kFileBytes = 144, kBytes = 2368;
+  static constexpr int64_t kD = 0, kDmin = 32, kSc = 64, kMn = 192, kQs = 320;
+};
+
+struct Q6KLayout {
+  static constexpr int64_t kFileBytes = 210, kBytes = 3392;
+  static constexpr int64_t kD = 0, kSc = 64, kCodes = 320;
+  // the vector of 4 codes-bytes per column: ql's half s (0, 1) or qh (2) for (h, t)
+  static constexpr int64_t at(int h, int t, int which) { return kCodes + ((h * 8 + t) * 3 + which) * 64; }
+};
+
+// Q4_K's 12 scale bytes <-> its 8 6-bit scales and 8 6-bit mins (ggml's get_scale_min_k4 and its inverse).
+inline void q4_k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    mn[j] = s[j + 4] & 63;
+    sc[j + 4] = static_cast<uint8_t>((s[j + 8] & 0x0F) | ((s[j] >> 6) << 4));
+    mn[j + 4] = static_cast<uint8_t>((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+  }
+}
+
+inline void q4_k_scale_bytes(const uint8_t* sc, const uint8_t* mn, uint8_t* s) {
+  for (int j = 0; j < 4; ++j) {
+    s[j] = static_cast<uint8_t>(sc[j] | (sc[j + 4] >> 4) << 6);
+    s[j + 4] = static_cast<uint8_t>(mn[j] | (mn[j + 4] >> 4) << 6);
+    s[j + 8] = static_cast<uint8_t>((sc[j + 4] & 0x0F) | (mn[j + 4] & 0x0F) << 4);
+  }
+}
+
+// Bytes [file, file + bytes) of a column's block b to [group, group + bytes) of its group-block g, or back.
+template <bool kToGroup>
+void move_bytes(uint8_t* g, std::conditional_t<kToGroup, const uint8_t*, uint8_t*> b, int64_t file, int64_t group,
+                int64_t bytes) {
+  if constexpr (kToGroup) std::memcpy(g + group, b + file, bytes);
+  else std::memcpy(b + file, g + group, bytes);
+}
+
+// Column n's block b (the file's bytes) into its group-block g (kToGroup), or out of it.
+template <bool kToGroup>
+void q4_k_column(uint8_t* g, int64_t n, std::conditional_t<kToGroup, const uint8_t*, uint8_t*> b) {
+  using L = Q4KLayout;
+  move_bytes<kToGroup>(g, b, 0, L::kD + 2 * n, 2);
+  move_bytes<kToGroup>(g, b, 2, L::kDmin + 2 * n, 2);
+  for (int c = 0; c < 4; ++c)
+    for (int t = 0; t < 8; ++t) move_bytes<kToGroup>(g, b, 16 + 32 * c + 4 * t, L::kQs + ((c * 8 + t) * 16 + n) * 4, 4);
+  uint8_t sc[8], mn[8];  // the 12 packed scale bytes <-> the group's unpacked pairs
+  if constexpr (kToGroup) q4_k_scales(b + 4, sc, mn);
+  for (int j = 0; j < 8; ++j) {
+    uint8_t* to_sc = g + L::kSc + (j / 2) * 32 + 2 * n + j % 2;
+    uint8_t* to_mn = g + L::kMn + (j / 2) * 32 + 2 * n + j % 2;
+    if constexpr (kToGroup) *to_sc = sc[j], *to_mn = mn[j];
+    else sc[j] = *to_sc, mn[j] = *to_mn;
+  }
+  if constexpr (!kToGroup) q4_k_scale_bytes(sc, mn, b + 4);
+}
+
+template <bool kToGroup>
+void q6_k_column(uint8_t* g, int64_t n, std::conditional_t<kToGroup, const uint8_t*, uint8_t*> b) {
+  using L = Q6KLayout;
+  move_bytes<kToGroup>(g, b, 208, L::kD + 2 * n, 2);
+  for (int p = 0; p < 8; ++p) move_bytes<kToGroup>(g, b, 192 + 2 * p, L::kSc + p * 32 + 2 * n, 2);
+  for (int h = 0; h < 2; ++h) {
+    for (int t = 0; t < 8; ++t) {
+      for (int s = 0; s < 2; ++s) move_bytes<kToGroup>(g, b, 64 * h + 32 * s + 4 * t, L::at(h, t, s) + 4 * n, 4);
+      move_bytes<kToGroup>(g, b, 128 + 32 * h + 4 * t, L::at(h, t, 2) + 4 * n, 4);
+    }
+  }
+}
+
+}  // namespace
