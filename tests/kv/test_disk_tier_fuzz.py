@@ -19,19 +19,22 @@ Trouble is: random bytes, a JSON header nested thousands deep, huge declared sha
 length past the file, a FIFO, a symlink to a file, to a directory, to a FIFO or to nothing, a directory, a
 hard link to a file outside. After every round: the outputs are those of an engine without the disk tier
 (token ids and logprobs, bit for bit), no KV block is held, no round hung (a FIFO opened for reading
-blocks forever; the test's timeout ends it), and at the end no foreign file changed (content and mtime),
-none is missing, nothing new appeared outside, and no planted non-file was removed or replaced. Seeded, a
-few dozen files a seed, ~5 s a seed.
+blocks forever: a round still running after ``ROUND_WAIT_S`` fails, and its FIFOs get a writer so that it
+ends), and at the end no foreign file changed (content and mtime), none is missing, nothing new appeared
+outside, and no planted non-file was removed or replaced. Seeded, a few dozen files a seed, ~5 s a seed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import random
 import shutil
 import stat
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,6 +48,10 @@ from tests.tiny_model import save_tiny_llama
 GREEDY = SamplingParams(max_tokens=6, temperature=0, logprobs=2)
 BLOCK_FILE = 2 * 2 * 16 * 2 * 64 * 4 + 400  # the tiny model's block file: K and V, 2 layers, fp32, + header
 DISK_BLOCKS = 12  # the tier's size limit, in blocks: fewer than the prompts have, so eviction runs
+# Only ends a round that hung: a seed's five rounds (engine starts, six prompts each on the tiny model) took
+# 12-21 s in all on 2 busy cores. Before, only the test's 180 s timeout ended a hang (it counted the module's
+# fixtures too): three seeds with the FIFO guards removed took 436 s, now 189 s.
+ROUND_WAIT_S = 60.0
 TROUBLE = [
     "random",
     "deep",
@@ -206,12 +213,47 @@ def _identity(path: Path) -> tuple[str, int] | None:
     return hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_mtime_ns
 
 
+def _fifos(root: Path) -> Iterator[str]:
+    for directory, _, names in os.walk(root):  # symlinks not followed: every FIFO planted is under root
+        for name in names:
+            path = os.path.join(directory, name)
+            with contextlib.suppress(OSError):
+                if stat.S_ISFIFO(os.lstat(path).st_mode):
+                    yield path
+
+
+@contextlib.contextmanager
+def bounded(root: Path, what: str) -> Iterator[None]:
+    """Fail ``what`` if it still runs ``ROUND_WAIT_S`` after it began, and free it then: each FIFO under
+    ``root`` gets a writer that leaves at once, again and again, so that a reader waiting on one gets an
+    empty file and the round ends now, not at the test's timeout."""
+    done, hung = threading.Event(), threading.Event()
+
+    def watch() -> None:
+        if done.wait(ROUND_WAIT_S):
+            return
+        hung.set()
+        while not done.is_set():
+            for fifo in _fifos(root):
+                with contextlib.suppress(OSError):  # no reader waiting: ENXIO
+                    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            done.wait(0.1)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+        assert not hung.is_set(), f"{what} still ran after {ROUND_WAIT_S} s: it waited on a FIFO"
+
+
 def _assert_idle(llm: LLM) -> None:
     stats = llm.stats()
     assert stats["kv_blocks_used"] == 0, stats  # every request's blocks came back, loaded or not
 
 
-@pytest.mark.timeout(180)  # a round that hangs (a FIFO opened for reading blocks forever) ends the test
 @pytest.mark.parametrize("seed", range(3))
 def test_a_fuzzed_kv_cache_dir_under_a_running_engine(tiny, prompts, reference, tmp_path, seed):
     rng = random.Random(seed)
@@ -220,13 +262,15 @@ def test_a_fuzzed_kv_cache_dir_under_a_running_engine(tiny, prompts, reference, 
     keys = sorted({key for prompt in prompts for key in _keys(prompt)})
     disk_gb = DISK_BLOCKS * BLOCK_FILE / 2**30
 
-    llm = LLM(model=tiny, kv_cache_dir=str(garden.kv_dir), num_kv_blocks=128, kv_cache_disk_gb=disk_gb)
+    with bounded(tmp_path, "the engine's start"):
+        llm = LLM(model=tiny, kv_cache_dir=str(garden.kv_dir), num_kv_blocks=128, kv_cache_disk_gb=disk_gb)
     disk = llm.engine.disk
     names = {disk.name(key): key for key in keys}
     for key in rng.sample(keys, k=len(keys) // 3):  # trouble where the prompts will look
         garden.trouble(disk.path(key), disk.fingerprint, key, TROUBLE)
     snapshot = garden.snapshot()
-    assert _run(llm, prompts) == reference
+    with bounded(tmp_path, "the first round"):
+        assert _run(llm, prompts) == reference
     _assert_idle(llm)
 
     for _ in range(2):  # the tier's own files swapped under it, between requests
@@ -239,7 +283,8 @@ def test_a_fuzzed_kv_cache_dir_under_a_running_engine(tiny, prompts, reference, 
         (garden.own / LOCK_FILE).write_bytes(rng.randbytes(40))
         snapshot = garden.snapshot()  # hard links and new non-files join what must hold
         llm.reset_prefix_cache()
-        assert _run(llm, prompts) == reference
+        with bounded(tmp_path, "a round after the swap"):
+            assert _run(llm, prompts) == reference
         _assert_idle(llm)
     llm.engine.close()
     stats = llm.stats()
@@ -257,8 +302,9 @@ def test_a_fuzzed_kv_cache_dir_under_a_running_engine(tiny, prompts, reference, 
             else:
                 memo.write_bytes(rng.randbytes(64))
     snapshot["outside"] = sorted(str(p) for p in garden.outside.rglob("*"))
-    llm = LLM(model=tiny, kv_cache_dir=str(garden.kv_dir), num_kv_blocks=128, kv_cache_disk_gb=disk_gb)
-    assert _run(llm, prompts) == reference
+    with bounded(tmp_path, "the restart's round"):
+        llm = LLM(model=tiny, kv_cache_dir=str(garden.kv_dir), num_kv_blocks=128, kv_cache_disk_gb=disk_gb)
+        assert _run(llm, prompts) == reference
     _assert_idle(llm)
     llm.engine.close()
     stats = llm.stats()
