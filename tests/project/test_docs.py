@@ -82,27 +82,61 @@ def test_every_relative_link_resolves(path):
     assert not broken, f"{path.relative_to(ROOT)}: " + "; ".join(broken)
 
 
+# A measurement's cell: a number or a range of numbers, with an optional unit, then nothing, a space, a bracket or a
+# colon ("42", "0.14-0.18", "746 ms (485-833)", "1,284 MiB", "13.5x"); "512-bit ..." or "HTTP 4xx" is no number.
+NUMBER_CELL = re.compile(
+    r"[~<>]?\d[\d,.]*(?:e-?\d+)?(?:[-\u2013]\d[\d,.]*)?(?:\s?(?:x|%|s|ms|us|\u00b5s|KiB|MiB|GiB|MB|tok/s))?(?=$|[\s(:/])"
+)
+COMMAND = re.compile(r"benchmarks/[\w-]+\.py|pagedkv bench|(?:^|`)make [\w-]+", re.M)
+HEADING = re.compile(r"#{1,6} ")
+
+
+def tables(lines: list[str]) -> list[tuple[int, int]]:
+    """(header line, line after the last row) of each Markdown table: a `|` line followed by its `|---|` rule."""
+    found = []
+    for i, line in enumerate(lines):
+        if line.startswith("|") and i + 1 < len(lines) and re.match(r"\|[-:| ]+\|$", lines[i + 1]):
+            found.append((i, next((k for k in range(i + 2, len(lines)) if not lines[k].startswith("|")), len(lines))))
+    return found
+
+
+def is_measured(rows: list[str]) -> bool:
+    """At least a third of the cells past the row labels (and two or more) are numbers: a reference table of
+    routes, options or types holds words, with at most a stray status code or byte count."""
+    cells = [cell.strip() for row in rows for cell in row.strip().strip("|").split("|")[1:]]
+    numbers = sum(bool(NUMBER_CELL.match(cell)) for cell in cells)
+    return numbers >= 2 and 3 * numbers >= len(cells)
+
+
 def measured_tables(path: Path) -> list[tuple[int, str]]:
-    """(line number, header) of each table in the file whose rows hold a number, and whose command, a
-    ``benchmarks/`` script or ``pagedkv bench``, is not within the 40 lines before it or the 20 after."""
+    """(line number, header) of each table of measurements in the file whose section (from the heading above it
+    to the next heading) names no command: a ``benchmarks/`` script, ``pagedkv bench`` or a make target."""
     lines = path.read_text().splitlines()
     missing = []
-    for i, line in enumerate(lines):
-        is_header = line.startswith("|") and i + 1 < len(lines) and re.match(r"\|[-:| ]+\|$", lines[i + 1])
-        if not is_header:
+    for header, end in tables(lines):
+        if not is_measured(lines[header + 2 : end]):
             continue
-        end = next((k for k in range(i + 2, len(lines)) if not lines[k].startswith("|")), len(lines))
-        if not any(re.search(r"\d", row) for row in lines[i + 2 : end]):
-            continue
-        near = "\n".join(lines[max(0, i - 40) : end + 20])
-        if "benchmarks/" not in near and "pagedkv bench" not in near:
-            missing.append((i + 1, line[:80]))
+        start = next((k for k in range(header, -1, -1) if HEADING.match(lines[k])), 0)
+        stop = next((k for k in range(end, len(lines)) if HEADING.match(lines[k])), len(lines))
+        if not COMMAND.search("\n".join(lines[start:stop])):
+            missing.append((header + 1, lines[header][:80]))
     return missing
 
 
-@pytest.mark.parametrize("name", ["README.md", "docs/performance.md"])
-def test_every_table_of_measurements_has_its_command(name):
-    assert measured_tables(ROOT / name) == []
+@pytest.mark.parametrize("path", markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_table_of_measurements_has_its_command(path):
+    assert measured_tables(path) == [], "name the command that printed each table in its section"
+
+
+def test_the_table_check_tells_measurements_from_references(tmp_path):
+    """A guard on the check itself: a table of numbers needs a command in its own section, a table of words
+    does not, and a command in another section does not count."""
+    page = tmp_path / "page.md"
+    measured = "| engine | tok/s | TTFT |\n|---|---:|---:|\n| a | 42 | 66 ms |\n| b | 0.14-0.18 | 746 ms (485-833) |\n"
+    reference = "| route | what |\n|---|---|\n| `/health` | 200 while serving |\n| `/v1/models` | the model |\n"
+    page.write_text(f"# A\n\n`python benchmarks/x.py`\n\n{measured}\n## B\n\n{measured}\n## C\n\n{reference}")
+    assert measured_tables(page) == [(12, "| engine | tok/s | TTFT |")]
+    assert not is_measured(["| Q4_K | 512-bit `maddubs` |", "| AVX2 | 256-bit `madd` |"])
 
 
 def test_the_link_checker_sees_a_broken_link(tmp_path):
