@@ -350,12 +350,11 @@ at::Tensor int8_repacked_blocks(const at::Tensor& packed, const at::Tensor& ids,
     TORCH_CHECK_VALUE(id[r] >= 0 && id[r] < n, "int8_repacked_blocks: ids[", r, "] = ", id[r], " is outside [0, ", n,
                       ")");
   at::Tensor out = at::empty({count, row_bytes}, packed.options());
-  // the layout is read only here; the unpacking writes through a non-const pointer it never writes to
-  uint8_t* src = const_cast<uint8_t*>(packed.const_data_ptr<uint8_t>());
+  const uint8_t* src = packed.const_data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   for (int64_t r = 0; r < count; ++r) {
     for (int64_t i = 0; i < k / 256; ++i) {
-      uint8_t* block = src + id[r] / kGroup * per_group + i * repacked_bytes(type);
+      const uint8_t* block = src + id[r] / kGroup * per_group + i * repacked_bytes(type);
       uint8_t* file = dst + r * row_bytes + i * file_bytes(type);
       if (type == kQ4_K) q4_k_column<false>(block, id[r] % kGroup, file);
       else q6_k_column<false>(block, id[r] % kGroup, file);

@@ -62,17 +62,22 @@ inline void q4_k_scale_bytes(const uint8_t* sc, const uint8_t* mn, uint8_t* s) {
   }
 }
 
+// The group-block (written when repacking) and the file's block (written when unpacking) of one direction.
+template <bool kToGroup>
+using GroupPtr = std::conditional_t<kToGroup, uint8_t*, const uint8_t*>;
+template <bool kToGroup>
+using FilePtr = std::conditional_t<kToGroup, const uint8_t*, uint8_t*>;
+
 // Bytes [file, file + bytes) of a column's block b to [group, group + bytes) of its group-block g, or back.
 template <bool kToGroup>
-void move_bytes(uint8_t* g, std::conditional_t<kToGroup, const uint8_t*, uint8_t*> b, int64_t file, int64_t group,
-                int64_t bytes) {
+void move_bytes(GroupPtr<kToGroup> g, FilePtr<kToGroup> b, int64_t file, int64_t group, int64_t bytes) {
   if constexpr (kToGroup) std::memcpy(g + group, b + file, bytes);
   else std::memcpy(b + file, g + group, bytes);
 }
 
 // Column n's block b (the file's bytes) into its group-block g (kToGroup), or out of it.
 template <bool kToGroup>
-void q4_k_column(uint8_t* g, int64_t n, std::conditional_t<kToGroup, const uint8_t*, uint8_t*> b) {
+void q4_k_column(GroupPtr<kToGroup> g, int64_t n, FilePtr<kToGroup> b) {
   using L = Q4KLayout;
   move_bytes<kToGroup>(g, b, 0, L::kD + 2 * n, 2);
   move_bytes<kToGroup>(g, b, 2, L::kDmin + 2 * n, 2);
@@ -81,8 +86,8 @@ void q4_k_column(uint8_t* g, int64_t n, std::conditional_t<kToGroup, const uint8
   uint8_t sc[8], mn[8];  // the 12 packed scale bytes <-> the group's unpacked pairs
   if constexpr (kToGroup) q4_k_scales(b + 4, sc, mn);
   for (int j = 0; j < 8; ++j) {
-    uint8_t* to_sc = g + L::kSc + (j / 2) * 32 + 2 * n + j % 2;
-    uint8_t* to_mn = g + L::kMn + (j / 2) * 32 + 2 * n + j % 2;
+    const auto to_sc = g + L::kSc + (j / 2) * 32 + 2 * n + j % 2;
+    const auto to_mn = g + L::kMn + (j / 2) * 32 + 2 * n + j % 2;
     if constexpr (kToGroup) *to_sc = sc[j], *to_mn = mn[j];
     else sc[j] = *to_sc, mn[j] = *to_mn;
   }
@@ -90,7 +95,7 @@ void q4_k_column(uint8_t* g, int64_t n, std::conditional_t<kToGroup, const uint8
 }
 
 template <bool kToGroup>
-void q6_k_column(uint8_t* g, int64_t n, std::conditional_t<kToGroup, const uint8_t*, uint8_t*> b) {
+void q6_k_column(GroupPtr<kToGroup> g, int64_t n, FilePtr<kToGroup> b) {
   using L = Q6KLayout;
   move_bytes<kToGroup>(g, b, 208, L::kD + 2 * n, 2);
   for (int p = 0; p < 8; ++p) move_bytes<kToGroup>(g, b, 192 + 2 * p, L::kSc + p * 32 + 2 * n, 2);
