@@ -14,7 +14,9 @@ pyproject.toml holds the package's metadata; this file only adds the build of th
 
 ``manifest.json`` beside them names the torch they were built against: the loader uses them only with that
 torch (the C++ ABI), and otherwise compiles on first use as a development checkout does; the wheel's metadata
-requires that torch (``torch==2.13.0`` rather than pyproject's ``torch>=2.4``).
+requires that torch (``torch==2.13.0`` rather than pyproject's ``torch>=2.4``). It also holds the SHA-256 of each
+source and header: a checkout loads the libraries this build leaves in ``build/`` only while its ``csrc/`` still
+has those bytes (``make test`` builds the wheel first, so the suite runs on these libraries, compiled once).
 
 Build with ``make wheel`` (``pip wheel --no-build-isolation --no-deps .``): the libraries link against the
 torch installed in this environment, so the build must see it; an isolated build would download another
@@ -24,6 +26,7 @@ torch (a CUDA one, several GB, on Linux) and fails here instead, saying so. An e
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -115,8 +118,9 @@ class build_ext(torch_build_ext()):  # noqa: N801 (setuptools' command name)
             ext.extra_link_args = list(LDFLAGS)
         for name in skipped:
             print(f"pagedkv: {compiler()} does not know {name}'s -march: the wheel goes without it", file=sys.stderr)
+        sources = source_digests()  # before compiling: an edit made during the build must not be vouched for
         super().run()
-        self.write_manifest(torch.__version__)
+        self.write_manifest(torch.__version__, sources)
 
     def build_extension(self, ext: Extension) -> None:
         """Each library in a build directory of its own: v3 and v4 compile the same sources to different objects."""
@@ -127,8 +131,9 @@ class build_ext(torch_build_ext()):  # noqa: N801 (setuptools' command name)
         finally:
             self.build_temp = base
 
-    def write_manifest(self, torch_version: str) -> None:
-        """``manifest.json``: the torch these libraries were built for and which file is which variant."""
+    def write_manifest(self, torch_version: str, sources: dict[str, str]) -> None:
+        """``manifest.json``: the torch these libraries were built for, which file is which variant, and the
+        digests of the sources they were compiled from."""
         if not self.extensions:
             return
         directory = Path(self.get_ext_fullpath(self.extensions[0].name)).parent
@@ -143,9 +148,17 @@ class build_ext(torch_build_ext()):  # noqa: N801 (setuptools' command name)
             "compiler": version[0] if version else compiler(),
             "cflags": CFLAGS,
             "libraries": libraries,
+            "sources": sources,
         }
         (directory / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         BUILT_FOR["torch"] = torch_version
+
+
+def source_digests() -> dict[str, str]:
+    """``{path under pagedkv/: SHA-256}`` of every file the libraries are compiled from (pagedkv/extension.py's
+    ``stale_sources`` compares them with the package's own)."""
+    files = sorted({*PORTABLE, *GEMM, *HEADERS})
+    return {Path(f).relative_to("pagedkv").as_posix(): hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in files}
 
 
 BUILT_FOR: dict[str, str] = {}  # the torch the kernels were just built against, for the wheel's requirement

@@ -1,9 +1,12 @@
 """The C++ libraries of :mod:`pagedkv.kernels`: prebuilt in a wheel, else compiled on first use and cached.
 
 An installed wheel ships them in ``pagedkv/_lib/`` (``setup.py`` builds them: the portable ops for x86-64-v2, -v3
-and -v4, the GEMM for x86-64-v3), with a ``manifest.json`` naming the torch they were built against;
-:func:`prebuilt_libraries` and :func:`cpu_level` pick the variant for this CPU. A development checkout has no
-``_lib`` and compiles them with ``-march=native`` on first use, as below.
+and -v4, the GEMM for x86-64-v3), with a ``manifest.json`` naming the torch they were built against and the
+SHA-256 of every source file they were compiled from; :func:`prebuilt_libraries` and :func:`cpu_level` pick the
+variant for this CPU. A development checkout has no ``_lib``: it uses the libraries its last ``make wheel`` left in
+``build/`` (:func:`checkout_build_directory`) while their sources are the checkout's (:func:`stale_sources`, so
+``make test`` compiles the kernels once, for the wheel and the suite alike), and otherwise compiles them with
+``-march=native`` on first use, as below.
 
 A build lives in ``<cache_root>/torch_extensions/<prefix><hash>``; the hash covers the source, the flags,
 torch, Python and the CPU's instruction set, so a build is reused only where it is valid (``-march=native``
@@ -32,8 +35,9 @@ import platform
 import shutil
 import stat
 import sys
+import sysconfig
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -84,9 +88,49 @@ def cpu_level(flags: str | None = None) -> str | None:
 
 
 def prebuilt_directory() -> Path:
-    """Where a wheel's prebuilt libraries are: ``pagedkv/_lib``, or ``$PAGEDKV_KERNEL_DIR`` (tests)."""
+    """Where the prebuilt libraries are: ``$PAGEDKV_KERNEL_DIR`` (tests), else an installed wheel's ``pagedkv/_lib``,
+    else, in a checkout where ``make wheel`` ran, :func:`checkout_build_directory` (``pagedkv/_lib`` if neither is)."""
     override = os.environ.get("PAGEDKV_KERNEL_DIR")
-    return Path(override).expanduser() if override else Path(__file__).parent / "_lib"
+    if override:
+        return Path(override).expanduser()
+    installed = Path(__file__).parent / "_lib"
+    if installed.is_dir():
+        return installed
+    built = checkout_build_directory()
+    return built if (built / MANIFEST).is_file() else installed
+
+
+def checkout_build_directory() -> Path:
+    """Where ``make wheel`` (``pip wheel .``, setuptools' ``build_ext``) leaves the libraries in a checkout:
+    ``build/lib.<platform>-<interpreter>/pagedkv/_lib``, kept between builds, which only recompile what changed."""
+    package = Path(__file__).parent
+    platform_tag = f"{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
+    return package.parent / "build" / f"lib.{platform_tag}" / package.name / "_lib"
+
+
+def source_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def stale_sources(manifest: dict, package: Path, needed: Iterable[Path]) -> list[str]:
+    """The files of ``needed`` (sources and headers, under ``package``) the manifest's libraries were not built from:
+    unlisted in its ``sources`` (``{path under the package: SHA-256}``), missing, or changed since. Empty if none.
+
+    A checkout's ``build/`` outlives edits to ``csrc/``: its libraries are used only while every file they were
+    compiled from is, byte for byte, what the checkout has, so an edit is compiled on first use instead.
+    """
+    recorded = manifest.get("sources")
+    recorded = recorded if isinstance(recorded, dict) else {}
+    stale = []
+    for path in needed:
+        name = path.relative_to(package).as_posix()
+        try:
+            current = source_digest(path)
+        except OSError:
+            current = None
+        if current is None or recorded.get(name) != current:
+            stale.append(name)
+    return stale
 
 
 def prebuilt_libraries(directory: Path) -> dict | None:

@@ -10,8 +10,9 @@
 
 Where they come from (:func:`kernel_choice`): an installed wheel ships them prebuilt (``pagedkv/_lib``, see
 ``setup.py``) and the variant for this CPU is loaded, x86-64-v4 (AVX-512), x86-64-v3 (AVX2 + FMA) or x86-64-v2
-(SSE4.2: the portable ops only, the GEMM needs v3); a development checkout compiles them with ``-march=native`` on
-first use. ``$PAGEDKV_KERNEL_VARIANT`` forces one (``v4``, ``v3``, ``v2``, ``jit`` or ``none``).
+(SSE4.2: the portable ops only, the GEMM needs v3); a development checkout loads the same from ``build/`` after
+``make wheel`` (``make test`` runs it) while their sources are unchanged, and otherwise compiles them with
+``-march=native`` on first use. ``$PAGEDKV_KERNEL_VARIANT`` forces one (``v4``, ``v3``, ``v2``, ``jit`` or ``none``).
 
 Every op registers in one namespace, ``torch.ops.pagedkv``; their Python faces are :mod:`pagedkv.kernel_ops`.
 Where a library cannot be built, the engine runs torch's ops, which the tests hold to the same numbers.
@@ -38,6 +39,7 @@ from pagedkv.extension import (
     load_prebuilt,
     prebuilt_directory,
     prebuilt_libraries,
+    stale_sources,
     summarize_error,
 )
 
@@ -126,6 +128,14 @@ def _choose(forced: str, directory: Path) -> KernelChoice:
             directory, built_for, torch.__version__, built_for,
         )
         return KernelChoice("jit")
+    stale = stale_sources(manifest, _CSRC.parent, (f for library in (portable, gemm) for f in library.files()))
+    if stale:
+        why = (f"the prebuilt kernels in {directory} were not built from this package's {', '.join(stale[:3])}"
+               f"{' ...' if len(stale) > 3 else ''} (rebuild them: `make wheel`)")
+        if forced:
+            return KernelChoice("none", reason=f"${VARIANT_ENV}={forced} but {why}")
+        logger.info("pagedkv: %s: compiling them here instead", why)
+        return KernelChoice("jit")
     level = cpu_level()
     if forced:
         if level is None or PREBUILT.index(forced) < PREBUILT.index(level):
@@ -177,9 +187,13 @@ class CompiledLibrary:
         """The same library in a process that has not tried to build it yet (tests simulate a new start)."""
         return CompiledLibrary(self.name, self.sources, self.headers, self.what, self.fallback)
 
+    def files(self) -> tuple[Path, ...]:
+        """Every file the library is compiled from: its sources and the headers they include."""
+        return (*self.sources, *self.headers)
+
     def build_directory(self) -> Path:
         """Where these sources and headers, built with these flags for this torch, Python and CPU, live."""
-        return build_directory((*self.sources, *self.headers), CFLAGS + LDFLAGS, prefix=f"{self.name}-")
+        return build_directory(self.files(), CFLAGS + LDFLAGS, prefix=f"{self.name}-")
 
     def build(self) -> None:
         """Load the wheel's prebuilt library for this CPU, else compile and cache it (:func:`kernel_choice`)."""

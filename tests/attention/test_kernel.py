@@ -18,7 +18,7 @@ from pagedkv import kernel_ops, kernels
 from pagedkv.attention.backend import ENV_VAR, select_backend
 from pagedkv.attention.paged import KernelAttention, TorchAttention
 from pagedkv.config import EngineConfig
-from pagedkv.extension import cache_root
+from pagedkv.extension import cache_root, prebuilt_directory
 from pagedkv.kv import ops, reference
 
 HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
@@ -294,10 +294,18 @@ def test_bad_inputs_raise_value_errors(built):
 
 
 @needs_kernel
-def test_build_is_cached_per_machine(built):
-    directory = kernels.portable.build_directory()
-    assert (directory / f"{kernels.portable.name}.so").exists(), sorted(p.name for p in directory.parent.glob("*/*"))
-    assert directory.is_relative_to(cache_root())
+def test_build_is_cached_per_machine_or_prebuilt(built):
+    """Compiled on first use into the per-machine cache, or loaded from a wheel's (or `make wheel`'s) libraries."""
+    choice = kernels.kernel_choice()
+    if choice.variant == "jit":
+        directory = kernels.portable.build_directory()
+        built_here = sorted(p.name for p in directory.parent.glob("*/*"))
+        assert (directory / f"{kernels.portable.name}.so").exists(), built_here
+        assert directory.is_relative_to(cache_root())
+    else:
+        library = choice.library(kernels.portable.name)
+        assert library.is_file() and library.parent == prebuilt_directory(), library
+        assert str(library) in {str(lib) for lib in torch.ops.loaded_libraries}
 
 
 def test_cache_dir_follows_env(monkeypatch, tmp_path):
@@ -310,6 +318,7 @@ def fresh_build(monkeypatch, tmp_path):
     """A process that has not tried to build yet, with an empty cache; the real state comes back after."""
     monkeypatch.setattr(kernels, "portable", kernels.portable.fresh())
     monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(kernels.VARIANT_ENV, "jit")  # compiled here, not loaded from a checkout's build/
     monkeypatch.delenv(ENV_VAR, raising=False)
 
 

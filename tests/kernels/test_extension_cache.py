@@ -238,6 +238,7 @@ def test_unsafe_cache_stops_engine_start(monkeypatch, tmp_path, caplog):
     root.mkdir()
     root.chmod(0o775)
     monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(root))
+    monkeypatch.setenv(kernels.VARIANT_ENV, "jit")  # the cache is used, not a checkout's build/ (make wheel)
     monkeypatch.delenv(backend.ENV_VAR, raising=False)
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)
     monkeypatch.setattr(kernels, "portable", kernels.portable.fresh())
@@ -247,6 +248,8 @@ def test_unsafe_cache_stops_engine_start(monkeypatch, tmp_path, caplog):
             backend.select_backend(None)
         with pytest.raises(extension.UnsafeCacheDirectory, match=f"chmod go-w {root}"):
             kernels.use_kernels(True)
+    with pytest.raises(extension.UnsafeCacheDirectory):  # also waits for its build thread, which must end here
+        kernels.gemm.available()
     assert backend.select_backend("gather").name == "gather"
     assert kernels.use_kernels(False) is False
     assert "could not be built" not in caplog.text

@@ -4,8 +4,13 @@ empty files), and the load itself is what tests/project/test_wheel.py runs for r
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +21,15 @@ V1 = "flags\t\t: fpu cx8 cmov sse sse2 lm"  # plain x86-64 (a Core 2 / K8)
 V2 = V1 + " pni ssse3 sse4_1 sse4_2 popcnt cx16 lahf_lm"
 V3 = V2 + " avx avx2 fma f16c bmi1 bmi2 movbe"
 V4 = V3 + " avx512f avx512bw avx512cd avx512dq avx512vl"
+PACKAGE = Path(kernels.__file__).parent
+CSRC = PACKAGE / "csrc"
+
+
+def digests(csrc: Path) -> dict[str, str]:
+    """What setup.py records: each source's and header's SHA-256, by its path under the package, computed here
+    with hashlib on the files' bytes (independently of pagedkv.extension)."""
+    files = [p for p in csrc.iterdir() if p.suffix in (".cpp", ".h")]
+    return {f"csrc/{p.name}": hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
 
 
 def test_cpu_level():
@@ -38,7 +52,7 @@ def prebuilt(monkeypatch, tmp_path):
     manifest = {"torch": torch.__version__, "libraries": {
         "pagedkv_ops": {"v2": "pagedkv_ops_v2.so", "v3": "pagedkv_ops_v3.so", "v4": "pagedkv_ops_v4.so"},
         "pagedkv_gemm": {"v3": "pagedkv_gemm_v3.so"},
-    }}
+    }, "sources": digests(CSRC)}
     (directory / "manifest.json").write_text(json.dumps(manifest))
     monkeypatch.setenv("PAGEDKV_KERNEL_DIR", str(directory))
     monkeypatch.delenv(kernels.VARIANT_ENV, raising=False)
@@ -139,3 +153,55 @@ def test_a_library_that_does_not_load_is_loud(prebuilt, caplog):
         assert library.available() is False
     assert "could not be loaded" in caplog.text and "pagedkv_ops_v4.so" in caplog.text
     assert "slower" in caplog.text
+
+
+def test_changed_sources_are_compiled_instead(prebuilt, monkeypatch, caplog, tmp_path):
+    """A checkout's build/ outlives edits to csrc/: a library whose sources changed since (or that the manifest
+    does not vouch for) is not loaded; the edit is compiled on first use, or, where a variant was forced, none runs."""
+    package = tmp_path / "pagedkv"
+    shutil.copytree(CSRC, package / "csrc")
+    monkeypatch.setattr(kernels, "_CSRC", package / "csrc")
+    for library in ("portable", "gemm"):
+        original = getattr(kernels, library)
+        files = [package / "csrc" / p.name for p in original.files()]
+        sources, headers = files[: len(original.sources)], files[len(original.sources):]
+        monkeypatch.setattr(kernels, library, kernels.CompiledLibrary(
+            original.name, sources, headers, original.what, original.fallback))
+    assert kernels.kernel_choice().variant == "v4"
+    with (package / "csrc" / "simd.h").open("a") as f:
+        f.write("// an edit\n")
+    monkeypatch.setattr(kernels, "_choices", {})
+    with caplog.at_level(logging.INFO):
+        assert kernels.kernel_choice().variant == "jit"
+    assert "not built from this package's csrc/simd.h" in caplog.text and "make wheel" in caplog.text
+    monkeypatch.setenv(kernels.VARIANT_ENV, "v3")
+    choice = kernels.kernel_choice()
+    assert choice.variant == "none" and "csrc/simd.h" in choice.reason
+    monkeypatch.delenv(kernels.VARIANT_ENV)
+    manifest = json.loads((prebuilt / "manifest.json").read_text())
+    manifest["sources"] = digests(package / "csrc")
+    (prebuilt / "manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.setattr(kernels, "_choices", {})
+    assert kernels.kernel_choice().variant == "v4", "rebuilt from the edit: loaded again"
+    del manifest["sources"]
+    (prebuilt / "manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.setattr(kernels, "_choices", {})
+    assert kernels.kernel_choice().variant == "jit", "a manifest without digests vouches for nothing"
+
+
+def test_a_checkout_finds_its_make_wheel_build(monkeypatch, tmp_path):
+    """setup.py's build_ext writes to build/lib.<platform>-<interpreter>/pagedkv/_lib; a wheel's _lib comes first."""
+    monkeypatch.delenv("PAGEDKV_KERNEL_DIR", raising=False)
+    tag = f"{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
+    assert extension.checkout_build_directory() == PACKAGE.parent / "build" / f"lib.{tag}" / "pagedkv" / "_lib"
+    fake = tmp_path / "pagedkv" / "extension.py"
+    monkeypatch.setattr(extension, "__file__", str(fake))
+    built = tmp_path / "build" / f"lib.{tag}" / "pagedkv" / "_lib"
+    assert extension.prebuilt_directory() == fake.parent / "_lib", "nothing built: the (missing) wheel directory"
+    built.mkdir(parents=True)
+    (built / "manifest.json").write_text("{}")
+    assert extension.prebuilt_directory() == built
+    (fake.parent / "_lib").mkdir(parents=True)
+    assert extension.prebuilt_directory() == fake.parent / "_lib", "an installed wheel's own libraries"
+    monkeypatch.setenv("PAGEDKV_KERNEL_DIR", str(tmp_path / "given"))
+    assert extension.prebuilt_directory() == tmp_path / "given"
