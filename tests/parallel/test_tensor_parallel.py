@@ -8,6 +8,7 @@ differ from TP=1 in the last bits; greedy tokens and everything within one TP si
 
 from __future__ import annotations
 
+import pickle
 import threading
 from pathlib import Path
 
@@ -74,7 +75,9 @@ def _rank_checks(rank: int, world: int, init_method: str, model_dir: str, result
         for layer in model.layers:
             layer.register_forward_hook(lambda _m, _i, out: layers.append(out.clone()))
         logits, scores, _ = ModelRunner(model, KVCacheManager(8, BLOCK, False), tp).run(received)
-        results.put((rank, x, expected_sum, received, layers, logits, scores))
+        # By value: a queue would pass the tensors as shared-memory handles that the parent fetches from this
+        # process, which may have exited by then (FileNotFoundError under load)
+        results.put(pickle.dumps((rank, x, expected_sum, received, layers, logits, scores)))
         if tp.is_driver:
             wire.send_stop(tp)
         else:
@@ -91,7 +94,7 @@ def _spawn_ranks(target, world: int, *args) -> list[tuple]:
     for process in processes:
         process.start()
     try:
-        out = sorted((results.get(timeout=180) for _ in range(world)), key=lambda r: r[0])
+        out = sorted((pickle.loads(results.get(timeout=180)) for _ in range(world)), key=lambda r: r[0])
     finally:
         for process in processes:
             process.join(30)
