@@ -1,9 +1,10 @@
 """One linear layer, exact panel GEMM ("gguf") against the int8-activation GEMMs ("gguf-int8"), per type.
 
-"file" is the kernel that reads the GGUF blocks in place (the legacy types' path, and Q4_K / Q6_K's before they
-were repacked); "tiled" the Q4_K / Q6_K kernel on the repacked groups of 16 outputs that "gguf-int8" now loads.
+"file" is the kernel that reads the GGUF blocks in place (the path of the types not repacked, and the repacked
+types' before they were); "tiled" the kernel on the repacked groups of 16 outputs that "gguf-int8" loads for the
+types in ``int8_linear.REPACKED``.
 
-    python benchmarks/int8_linear.py [--threads 1] [--rounds 3]
+    python benchmarks/int8_linear.py [--threads 1] [--rounds 3] [--types Q8_0,Q5_0]
 
 TinyLlama-1.1B's MLP shapes (5632 x 2048, and 2048 x 5632 for the down projection) of random blocks, at 1 row
 (a decode step) and 32 rows (32 requests decoding together). The two are timed alternately, in CPU time of this
@@ -28,9 +29,9 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from pagedkv.model import gguf_blocks, int8_linear, panel  # noqa: E402
 from pagedkv.model.panel import INT8_FORMAT_BASE, PanelWeight  # noqa: E402
 
-HALVES_AT = {T.Q4_0: (0,), T.Q4_K: (0, 2), T.Q6_K: (208,)}  # where each block's fp16 scales sit
-REPACKED = (T.Q4_K, T.Q6_K)
-SHAPES = [(T.Q4_K, 5632, 2048), (T.Q6_K, 2048, 5632), (T.Q4_0, 5632, 2048)]
+# where each block's fp16 scales sit
+HALVES_AT = {T.Q4_0: (0,), T.Q5_0: (0,), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q6_K: (208,)}
+SHAPES = [(T.Q4_K, 5632, 2048), (T.Q6_K, 2048, 5632)] + [(t, 5632, 2048) for t in (T.Q8_0, T.Q5_0, T.Q4_0)]
 
 
 def random_blocks(ggml_type: T, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
@@ -54,7 +55,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--types", default="", help="comma-separated ggml type names (default: all)")
     args = parser.parse_args()
+    wanted = {name.strip().upper() for name in args.types.split(",") if name.strip()}
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
     print(
@@ -62,13 +65,15 @@ def main() -> None:
         f"{'exact/file':>12}{'exact/tiled':>13}"
     )
     for ggml_type, n, k in SHAPES:
+        if wanted and ggml_type.name not in wanted:
+            continue
         raw = random_blocks(ggml_type, n, k, rng)
         weights = {
             "exact": gguf_blocks.pack(raw, int(ggml_type), n, k),
             "file": PanelWeight(raw, n, k, f"int8-{ggml_type.name.lower()}"),
         }
         assert panel.FORMATS[weights["file"].format] == INT8_FORMAT_BASE + int(ggml_type)
-        if ggml_type in REPACKED:
+        if int(ggml_type) in int8_linear.REPACKED:
             weights["tiled"] = int8_linear.repack(raw, n, k, ggml_type)
         for rows in (1, 32):
             x = torch.randn(rows, k)

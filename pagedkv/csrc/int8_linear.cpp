@@ -40,7 +40,7 @@
 // W is the GGUF file's blocks as they are, row-major [N][K / block] (a one-row GEMV reads it as one stream), so
 // it may view the read-only memory map. Format code: kFormatBase + the ggml type id.
 //
-// Q4_K and Q6_K also come repacked in groups of 16 outputs (format kRepackedBase + the type id; int8_repack.h,
+// Q4_K, Q6_K and Q8_0 also come repacked in groups of 16 outputs (format kRepackedBase + the type id; int8_repack.h,
 // built by the int8_repack op), which is how "gguf-int8" loads them: their tiled kernel (int8_tiled.h) puts 16
 // outputs in the lanes of a vector and has no per-block horizontal sum -- its own canonical order is stated there.
 // The file-order kernels of those two types stay for comparison (benchmarks/int8_linear.py).
@@ -69,7 +69,7 @@
 namespace {
 
 constexpr int64_t kFormatBase = 64;
-constexpr int64_t kRepackedBase = 128;  // + ggml type: Q4_K / Q6_K repacked in groups of 16 outputs (int8_repack.h)
+constexpr int64_t kRepackedBase = 128;  // + ggml type: Q4_K / Q6_K / Q8_0 repacked in groups of 16 outputs (int8_repack.h)
 constexpr int64_t kTile = 4;    // x rows per pass over a weight block (accumulators in registers)
 constexpr int64_t kChunk = 16;  // outputs whose weights stay in L2 while every tile passes
 
@@ -189,16 +189,27 @@ constexpr std::array<TiledFn, sizeof...(R)> q4_k_avx2 = {q4_k_tile<R>...};
 template <int... R>
 constexpr std::array<TiledFn, sizeof...(R)> q6_k_avx2 = {q6_k_tile<R>...};
 template <int... R>
+constexpr std::array<TiledFn, sizeof...(R)> q8_0_avx2 = {q8_0_tile<R>...};
+template <int... R>
+constexpr std::array<TiledFn, sizeof...(R)> q8_0_avx512 = {q8_0_tile_512<R>...};
+template <int... R>
 constexpr std::array<TiledFn, sizeof...(R)> q4_k_avx512 = {q4_k_tile_512<R>...};
 template <int... R>
 constexpr std::array<TiledFn, sizeof...(R)> q6_k_avx512 = {q6_k_tile_512<R>...};
 
 TileSet tiles_of(int64_t type, bool vnni) {
   if (vnni) {
-    return {type == kQ4_K ? q4_k_avx512<1, 2, 3, 4, 5, 6, 7, 8>.data() : q6_k_avx512<1, 2, 3, 4, 5, 6, 7, 8>.data(),
-            8};
+    switch (type) {
+      case kQ4_K: return {q4_k_avx512<1, 2, 3, 4, 5, 6, 7, 8>.data(), 8};
+      case kQ6_K: return {q6_k_avx512<1, 2, 3, 4, 5, 6, 7, 8>.data(), 8};
+      default: return {q8_0_avx512<1, 2, 3, 4, 5, 6, 7, 8>.data(), 8};
+    }
   }
-  return {type == kQ4_K ? q4_k_avx2<1, 2, 3, 4>.data() : q6_k_avx2<1, 2, 3, 4>.data(), 4};
+  switch (type) {
+    case kQ4_K: return {q4_k_avx2<1, 2, 3, 4>.data(), 4};
+    case kQ6_K: return {q6_k_avx2<1, 2, 3, 4>.data(), 4};
+    default: return {q8_0_avx2<1, 2, 3, 4>.data(), 4};
+  }
 }
 
 // Groups split over threads; per group, every tile of rows in turn (the group's weights stay in L1 / L2).
@@ -209,16 +220,30 @@ void run_groups(const Tiled& p, int64_t m, TileSet tiles) {
   });
 }
 
-int64_t repacked_bytes(int64_t type) { return type == kQ4_K ? Q4KLayout::kBytes : Q6KLayout::kBytes; }
-int64_t file_bytes(int64_t type) { return type == kQ4_K ? Q4KLayout::kFileBytes : Q6KLayout::kFileBytes; }
+int64_t repacked_bytes(int64_t type) {
+  return type == kQ4_K ? Q4KLayout::kBytes : type == kQ6_K ? Q6KLayout::kBytes : Q80Layout::kBytes;
+}
+int64_t file_bytes(int64_t type) {
+  return type == kQ4_K ? Q4KLayout::kFileBytes : type == kQ6_K ? Q6KLayout::kFileBytes : Q80Layout::kFileBytes;
+}
+int64_t block_values(int64_t type) { return type == kQ8_0 ? 32 : 256; }
 
 bool is_repacked(int64_t format) {
-  return format == kRepackedBase + kQ4_K || format == kRepackedBase + kQ6_K;
+  const int64_t type = format - kRepackedBase;
+  return type == kQ4_K || type == kQ6_K || type == kQ8_0;
+}
+
+// Column n's block of a repacked type into its group-block (kToGroup) or out of it.
+template <bool kToGroup>
+void column(int64_t type, GroupPtr<kToGroup> g, int64_t n, FilePtr<kToGroup> b) {
+  if (type == kQ4_K) q4_k_column<kToGroup>(g, n, b);
+  else if (type == kQ6_K) q6_k_column<kToGroup>(g, n, b);
+  else q8_0_column<kToGroup>(g, n, b);
 }
 
 // (values, bytes) of a block of a supported type.
 std::pair<int64_t, int64_t> block_of(const char* op, int64_t format) {
-  if (is_repacked(format)) return {256, file_bytes(format - kRepackedBase)};
+  if (is_repacked(format)) return {block_values(format - kRepackedBase), file_bytes(format - kRepackedBase)};
   switch (format - kFormatBase) {
     case kQ4_0: return {Q4_0::kBlock, Q4_0::kBytes};
     case kQ4_1: return {Q4_1::kBlock, Q4_1::kBytes};
@@ -228,7 +253,7 @@ std::pair<int64_t, int64_t> block_of(const char* op, int64_t format) {
     case kQ6_K: return {Q6_K::kBlock, Q6_K::kBytes};
     default: TORCH_CHECK_VALUE(false, op, ": format ", format, " is not an int8-activation format (", kFormatBase,
                                " + ggml type Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K; ", kRepackedBase,
-                               " + Q4_K or Q6_K repacked)");
+                               " + Q4_K, Q6_K or Q8_0 repacked)");
   }
 }
 
@@ -263,9 +288,11 @@ void into(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t k, int64_
   const int64_t type = format - (is_repacked(format) ? kRepackedBase : kFormatBase);
   const Quantised a = quantise(x.contiguous(), type);
   if (is_repacked(format)) {
-    const Tiled p{static_cast<const uint8_t*>(w.data_ptr()), k / 256, n, k, a.q.data_ptr<int8_t>(),
-                  a.d.data_ptr<float>(), a.sums.data_ptr<int16_t>(), a.sums.size(1), y.data_ptr<float>() + col,
-                  y.size(1)};
+    const int64_t values = block_values(type);
+    if (type == kQ8_0 && vnni) a.q.bitwise_xor_(-128);  // q + 128 as unsigned bytes: vpdpbusd's operand
+    const Tiled p{static_cast<const uint8_t*>(w.data_ptr()), k / values, n, k, values, a.q.data_ptr<int8_t>(),
+                  a.d.data_ptr<float>(), uses_q8_k(type) ? a.sums.data_ptr<int16_t>() : nullptr, a.sums.size(1),
+                  y.data_ptr<float>() + col, y.size(1)};
     return run_groups(p, x.size(0), tiles_of(type, vnni));
   }
   const auto [block, bytes] = block_of("int8_linear", format);
@@ -310,25 +337,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_quantise(const at::Tensor& x
   return {a.q, a.d, a.sums};
 }
 
-// Q4_K / Q6_K blocks [N][K / 256] as the file holds them -> the repacked layout of `format` (int8_repack.h); the
+// Q4_K / Q6_K / Q8_0 blocks [N][K / block] as the file holds them -> the repacked layout of `format` (int8_repack.h); the
 // last group's padding columns are zeros.
 at::Tensor int8_repack(const at::Tensor& blocks, int64_t n, int64_t k, int64_t format) {
   TORCH_CHECK_VALUE(is_repacked(format), "int8_repack: format ", format, " is not a repacked format (", kRepackedBase,
-                    " + Q4_K or Q6_K)");
-  const int64_t type = format - kRepackedBase, row_bytes = k / 256 * file_bytes(type);
+                    " + Q4_K, Q6_K or Q8_0)");
+  const int64_t type = format - kRepackedBase, blocks_per_row = k / block_values(type);
+  const int64_t row_bytes = blocks_per_row * file_bytes(type);
   check_weight("int8_repack", blocks, n, k, kFormatBase + type);
-  const int64_t groups = (n + kGroup - 1) / kGroup, per_group = k / 256 * repacked_bytes(type);
+  const int64_t groups = (n + kGroup - 1) / kGroup, per_group = blocks_per_row * repacked_bytes(type);
   at::Tensor out = at::zeros({groups * per_group}, blocks.options());
   const uint8_t* src = blocks.const_data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       for (int64_t col = 0; col < std::min(kGroup, n - kGroup * g); ++col) {
-        for (int64_t i = 0; i < k / 256; ++i) {
+        for (int64_t i = 0; i < blocks_per_row; ++i) {
           uint8_t* block = dst + g * per_group + i * repacked_bytes(type);
-          const uint8_t* file = src + (kGroup * g + col) * row_bytes + i * file_bytes(type);
-          if (type == kQ4_K) q4_k_column<true>(block, col, file);
-          else q6_k_column<true>(block, col, file);
+          column<true>(type, block, col, src + (kGroup * g + col) * row_bytes + i * file_bytes(type));
         }
       }
     }
@@ -343,8 +369,9 @@ at::Tensor int8_repacked_blocks(const at::Tensor& packed, const at::Tensor& ids,
   check_weight("int8_repacked_blocks", packed, n, k, format);
   TORCH_CHECK_VALUE(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(),
                     "int8_repacked_blocks: ids must be a contiguous int64 [T] tensor");
-  const int64_t type = format - kRepackedBase, row_bytes = k / 256 * file_bytes(type);
-  const int64_t per_group = k / 256 * repacked_bytes(type), count = ids.numel();
+  const int64_t type = format - kRepackedBase, blocks_per_row = k / block_values(type);
+  const int64_t row_bytes = blocks_per_row * file_bytes(type);
+  const int64_t per_group = blocks_per_row * repacked_bytes(type), count = ids.numel();
   const int64_t* id = ids.const_data_ptr<int64_t>();
   for (int64_t r = 0; r < count; ++r)
     TORCH_CHECK_VALUE(id[r] >= 0 && id[r] < n, "int8_repacked_blocks: ids[", r, "] = ", id[r], " is outside [0, ", n,
@@ -353,11 +380,9 @@ at::Tensor int8_repacked_blocks(const at::Tensor& packed, const at::Tensor& ids,
   const uint8_t* src = packed.const_data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   for (int64_t r = 0; r < count; ++r) {
-    for (int64_t i = 0; i < k / 256; ++i) {
+    for (int64_t i = 0; i < blocks_per_row; ++i) {
       const uint8_t* block = src + id[r] / kGroup * per_group + i * repacked_bytes(type);
-      uint8_t* file = dst + r * row_bytes + i * file_bytes(type);
-      if (type == kQ4_K) q4_k_column<false>(block, id[r] % kGroup, file);
-      else q6_k_column<false>(block, id[r] % kGroup, file);
+      column<false>(type, block, id[r] % kGroup, dst + r * row_bytes + i * file_bytes(type));
     }
   }
   return out;

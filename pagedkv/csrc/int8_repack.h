@@ -1,4 +1,4 @@
-// The repacked layout of Q4_K and Q6_K weights for the tiled int8 GEMM (int8_tiled.h), built once at load from the
+// The repacked layout of Q4_K, Q6_K and Q8_0 weights for the tiled int8 GEMM (int8_tiled.h), built once at load from the
 // GGUF file's bytes, and its inverse (the file's blocks of chosen rows back, for the embedding lookup and tests).
 //
 // Why: the file keeps each output row's blocks together, so a kernel that reads them in place dots one output at a
@@ -20,6 +20,10 @@
 //                                  [h][t][2][n][b]      = qh[32 h + 4 t + b]
 //           (the kernel's reading order: one stream, which the hardware prefetcher follows; ql and qh in runs of
 //           their own made a one-row GEMV four times slower, waiting on L3)
+//   Q8_0 (576 bytes per 32 values = 16 x 36; the file takes 16 x 34)
+//     0     d[16]     fp16, the columns' block scales           32    csum[16]  int16: the sum of the column's 32
+//           codes (derived, not the file's: the VNNI body takes off the activations' offset of 128 through it)
+//     64    qs[8][16][4]: [t][n][b] = the file's code 4 t + b of column n (int8)
 // Every byte of a real row's blocks is kept (the 12 packed scale bytes of Q4_K are its 16 6-bit values), so the
 // file's blocks come back exactly (repacked_rows).
 #pragma once
@@ -42,6 +46,11 @@ struct Q6KLayout {
   static constexpr int64_t kD = 0, kSc = 64, kCodes = 320;
   // the vector of 4 codes-bytes per column: ql's half s (0, 1) or qh (2) for (h, t)
   static constexpr int64_t at(int h, int t, int which) { return kCodes + ((h * 8 + t) * 3 + which) * 64; }
+};
+
+struct Q80Layout {
+  static constexpr int64_t kFileBytes = 34, kBytes = 576;
+  static constexpr int64_t kD = 0, kSum = 32, kQs = 64;
 };
 
 // Q4_K's 12 scale bytes <-> its 8 6-bit scales and 8 6-bit mins (ggml's get_scale_min_k4 and its inverse).
@@ -104,6 +113,18 @@ void q6_k_column(GroupPtr<kToGroup> g, int64_t n, FilePtr<kToGroup> b) {
       for (int s = 0; s < 2; ++s) move_bytes<kToGroup>(g, b, 64 * h + 32 * s + 4 * t, L::at(h, t, s) + 4 * n, 4);
       move_bytes<kToGroup>(g, b, 128 + 32 * h + 4 * t, L::at(h, t, 2) + 4 * n, 4);
     }
+  }
+}
+
+template <bool kToGroup>
+void q8_0_column(GroupPtr<kToGroup> g, int64_t n, FilePtr<kToGroup> b) {
+  using L = Q80Layout;
+  move_bytes<kToGroup>(g, b, 0, L::kD + 2 * n, 2);
+  for (int t = 0; t < 8; ++t) move_bytes<kToGroup>(g, b, 2 + 4 * t, L::kQs + (t * 16 + n) * 4, 4);
+  if constexpr (kToGroup) {
+    int16_t sum = 0;
+    for (int j = 0; j < 32; ++j) sum = static_cast<int16_t>(sum + static_cast<int8_t>(b[2 + j]));
+    std::memcpy(g + L::kSum + 2 * n, &sum, sizeof(sum));
   }
 }
 

@@ -1,4 +1,4 @@
-// The tiled int8 GEMM of Q4_K and Q6_K on their repacked layout (int8_repack.h): a tile of R activation rows times
+// The tiled int8 GEMM of Q4_K, Q6_K and Q8_0 on their repacked layout (int8_repack.h): a tile of R activation rows times
 // one group of 16 output columns, the columns in the lanes (16 dword lanes of a 512-bit vector; the AVX2 body does
 // the group as two halves of 8), each activation dword broadcast. No lane ever mixes two columns, so there is no
 // horizontal sum per block: a block costs 64 vpdpbusd (VNNI) per row and 16 columns.
@@ -11,10 +11,14 @@
 //         y = acc + accm
 //   Q6_K: isum = sum_s sc_s sum_l u q - 32 sum_s sc_s bsum_s                       (exact int32; u = code + 32)
 //         acc  = fmaf(float(isum), da * d, acc)                                      y = acc
+//   Q8_0: isum = sum_l c q (32 values, Q8_0 activations, da their fp16 scale)      (exact int32)
+//         acc  = fmaf(float(isum), da * d, acc)                                      y = acc
 // with acc = accm = 0 at the start and da * d, da * dmin rounded to fp32. The integer sums are exact (|isum| <
 // 2^28), so how an instruction set groups them does not matter: VNNI sums a sub-block's codes with vpdpbusd and
 // scales the sum with vpmulld; AVX2 multiplies each pair sum of maddubs by the scale in madd. Only the float steps
-// above are canonical, and those are the same instructions lane for lane on both paths.
+// above are canonical, and those are the same instructions lane for lane on both paths. Q8_0's signed codes: AVX2
+// multiplies |c| by q with c's sign (maddubs, pair sums <= 2 * 128 * 127); VNNI reads the activations offset to
+// unsigned (q ^ 0x80 = q + 128, done once per call) and takes 128 times the column's code sum (csum) off.
 #pragma once
 
 #include <immintrin.h>
@@ -32,7 +36,7 @@ namespace {
 // One call: the repacked weight, the quantised activations (Q8_K), the output.
 struct Tiled {
   const uint8_t* w;
-  int64_t blocks, n, k;
+  int64_t blocks, n, k, values;  // values: a block's (256, or 32 for Q8_0)
   const int8_t* q;
   const float* d;
   const int16_t* bsums;
@@ -40,7 +44,7 @@ struct Tiled {
   float* y;
   int64_t ldy;
 
-  const int8_t* q_at(int64_t row, int64_t i) const { return q + row * k + 256 * i; }
+  const int8_t* q_at(int64_t row, int64_t i) const { return q + row * k + values * i; }
   float d_at(int64_t row, int64_t i) const { return d[row * blocks + i]; }
   // The pair of code sums (2 p, 2 p + 1) of block i as one dword: what madd / vpdpwssd pairs with a scale pair.
   int pair_at(int64_t row, int64_t i, int p) const {
@@ -178,6 +182,40 @@ void q6_k_half(const Tiled& p, int64_t group, int64_t r0, int h8) {
 }
 
 template <int R>
+void q8_0_half(const Tiled& p, int64_t group, int64_t r0, int h) {
+  using L = Q80Layout;
+  const uint8_t* base = p.w + group * p.blocks * L::kBytes;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < p.blocks; ++i) {
+    const uint8_t* g = base + i * L::kBytes;
+    __m256i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      const __m256i c = load256(g + L::kQs + 64 * t + 32 * h), u = _mm256_abs_epi8(c);
+      for (int r = 0; r < R; ++r) {
+        const __m256i s = _mm256_sign_epi8(_mm256_set1_epi32(dword_at(p.q_at(r0 + r, i) + 4 * t)), c);
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones));
+      }
+    }
+    const __m256 dw = _mm256_cvtph_ps(load128(g + L::kD + 16 * h));
+    for (int r = 0; r < R; ++r) {
+      const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(p.d_at(r0 + r, i)), dw);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) store8(p.y + (r0 + r) * p.ldy + kGroup * group + 8 * h, acc[r], p.real(group) - 8 * h);
+}
+
+template <int R>
+void q8_0_tile(const Tiled& p, int64_t group, int64_t r0) {
+  q8_0_half<R>(p, group, r0, 0);
+  if (p.real(group) > 8) q8_0_half<R>(p, group, r0, 1);
+}
+
+template <int R>
 void q4_k_tile(const Tiled& p, int64_t group, int64_t r0) {
   q4_k_half<R>(p, group, r0, 0);
   if (p.real(group) > 8) q4_k_half<R>(p, group, r0, 1);
@@ -288,6 +326,33 @@ INT8_TILED_AVX512 void q6_k_tile_512(const Tiled& p, int64_t group, int64_t r0) 
                                      _mm512_set1_epi32(p.pair_at(r0 + r, i, pp)));
       const __m512i sum = _mm512_sub_epi32(isum[r], _mm512_slli_epi32(offset, 5));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(_mm512_set1_ps(p.d_at(r0 + r, i)), dw), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) store16(p.y + (r0 + r) * p.ldy + kGroup * group, acc[r], p.real(group));
+}
+
+// The activation codes are offset to unsigned (q ^ 0x80) for this path; 128 csum taken off per block.
+template <int R>
+INT8_TILED_AVX512 void q8_0_tile_512(const Tiled& p, int64_t group, int64_t r0) {
+  using L = Q80Layout;
+  const uint8_t* base = p.w + group * p.blocks * L::kBytes;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < p.blocks; ++i) {
+    const uint8_t* g = base + i * L::kBytes;
+    __m512i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      const __m512i c = load512(g + L::kQs + 64 * t);
+      for (int r = 0; r < R; ++r)
+        isum[r] = _mm512_dpbusd_epi32(isum[r], _mm512_set1_epi32(dword_at(p.q_at(r0 + r, i) + 4 * t)), c);
+    }
+    const __m512i offset = _mm512_slli_epi32(_mm512_cvtepi16_epi32(load256(g + L::kSum)), 7);
+    const __m512 dw = _mm512_cvtph_ps(load256(g + L::kD));
+    for (int r = 0; r < R; ++r) {
+      const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(p.d_at(r0 + r, i)), dw);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r], offset)), scale, acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) store16(p.y + (r0 + r) * p.ldy + kGroup * group, acc[r], p.real(group));

@@ -2,7 +2,7 @@
 reference of llama.cpp's arithmetic: x quantised as ggml's reference quantisers do, integer dot products with the
 weights' codes, the block scales applied in fp32 -- per type, on random blocks with extreme scales, on every
 instruction-set path; the quantisation itself against the ``gguf`` package's; batch invariance bit for bit.
-Q4_K and Q6_K repacked in groups of 16 outputs (``csrc/int8_repack.h``, what "gguf-int8" loads them as) run the
+Q4_K, Q6_K and Q8_0 repacked in groups of 16 outputs (``csrc/int8_repack.h``, what "gguf-int8" loads them as) run the
 tiled kernel (``csrc/int8_tiled.h``), whose float steps are canonical: the numpy reference replays them bit for
 bit (:func:`canonical`); the file-order kernel of those types is held to fp32 rounding of the exact sums.
 The end-to-end check (a tiny GGUF model, exact vs int8 logits) is in tests/model/test_int8_model.py."""
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(not kernels.gemm.available(), reason="the GEMM l
 AUTO, AVX2, VNNI = 0, 1, 2
 PATHS = [AVX2] + ([VNNI] if "avx512_vnni" in Path("/proc/cpuinfo").read_text().split() else [])
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]
-K_QUANTS = [T.Q4_K, T.Q6_K]
+REPACKED = [T.Q8_0, T.Q4_K, T.Q6_K]  # what "gguf-int8" repacks for the tiled kernel
 BLOCK = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q5_0: (32, 22), T.Q8_0: (32, 34), T.Q4_K: (256, 144), T.Q6_K: (256, 210)}
 HALF_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q6_K: (208,)}
 # fp16 scales the random blocks draw from: ordinary ones and the extremes (largest, smallest normal, subnormal, 0)
@@ -176,10 +176,15 @@ def fmaf(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
 
 
 def canonical(x: np.ndarray, raw: np.ndarray, ggml_type: T, k: int) -> np.ndarray:
-    """Q4_K / Q6_K as the tiled kernel computes them, bit for bit (the order in csrc/int8_tiled.h): per block the
-    exact integer sums, then acc = fmaf(isum, da d, acc) and (Q4_K) accm = fmaf(imin, -(da dmin), accm), blocks
-    in file order; y = acc + accm, all fp32."""
+    """Q4_K / Q6_K / Q8_0 as the tiled kernel computes them, bit for bit (the order in csrc/int8_tiled.h): per
+    block the exact integer sums, then acc = fmaf(isum, da d, acc) and (Q4_K) accm = fmaf(imin, -(da dmin), accm),
+    blocks in file order; y = acc + accm, all fp32."""
     m, n = len(x), len(raw)
+    if BLOCK[ggml_type][0] == 32:
+        q, d, _ = quantise_q8_0(x)
+        codes, wd, _ = legacy_codes(ggml_type, raw.reshape(n, k // 32, -1))
+        isum = np.einsum("mbg,nbg->mnb", q.reshape(m, -1, 32).astype(np.int64), codes.astype(np.int64))
+        return _fused(isum, d[:, None] * wd[None], np.zeros_like(isum), np.zeros((m, n, k // 32), np.float32))
     w = raw.reshape(n, k // 256, -1)
     q, d, bsum = quantise_q8_k(x)
     q = q.astype(np.int64)
@@ -192,12 +197,16 @@ def canonical(x: np.ndarray, raw: np.ndarray, ggml_type: T, k: int) -> np.ndarra
         codes, sc, wd = q6_k_codes(w)  # the offset of 32 taken off the codes: the same integer as the kernel's
         dots = np.einsum("mbsg,nbsg->mnbs", q.reshape(m, -1, 16, 16), codes.reshape(n, -1, 16, 16).astype(np.int64))
         imin, min_scale = np.zeros((m, n, k // 256)), np.zeros((m, n, k // 256), np.float32)
-    isum = (dots * sc[None]).sum(-1)
+    return _fused((dots * sc[None]).sum(-1), d[:, None] * wd[None], imin, min_scale)
+
+
+def _fused(isum: np.ndarray, scale: np.ndarray, imin: np.ndarray, min_scale: np.ndarray) -> np.ndarray:
+    """The canonical float steps over blocks [M, N, B] in file order: exact int32 sums, fp32 scales (products
+    rounded as the kernel's), acc and accm fused once a block, added at the end."""
     assert np.abs(isum).max(initial=0) < 2**31  # int32 in the kernel
-    scale = d[:, None] * wd[None]  # float32 products, as the kernel's
-    acc = accm = np.zeros((m, n), np.float32)
-    for i in range(k // 256):
-        acc = fmaf(isum[..., i].astype(np.float32), scale[..., i], acc)
+    acc = accm = np.zeros(isum.shape[:2], np.float32)
+    for i in range(isum.shape[-1]):
+        acc = fmaf(isum[..., i].astype(np.float32), scale[..., i].astype(np.float32), acc)
         accm = fmaf(imin[..., i].astype(np.float32), min_scale[..., i], accm)
     return acc + accm
 
@@ -348,7 +357,7 @@ def test_fmaf_rounds_once():
 # ---- The repacked K-quants and the tiled kernel --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("ggml_type", K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", REPACKED, ids=lambda t: t.name)
 def test_repacking_keeps_every_byte(ggml_type):
     """The file's blocks of any rows come back from the groups exactly (37 rows: a last group of 5 and 11 zero
     rows), and the embedding lookup's rows from a repacked weight are those of the file's blocks."""
@@ -363,12 +372,12 @@ def test_repacking_keeps_every_byte(ggml_type):
 
 
 @pytest.mark.parametrize("path", PATHS, ids=["avx2", "vnni"][: len(PATHS)])
-@pytest.mark.parametrize("ggml_type", K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", REPACKED, ids=lambda t: t.name)
 def test_tiled_kernel_is_the_canonical_order_bit_for_bit(ggml_type, path):
     """Random blocks with extreme scales, 1-19 rows (tiles of 8 or 4 and a rest), N = 37, 16 and 5 (groups of 16,
     padded): the reference's bits, which are themselves within fp32 rounding of llama.cpp's exact sums."""
     rng = np.random.default_rng(10 + int(ggml_type))
-    k = 512
+    k = 512 if BLOCK[ggml_type][0] == 256 else 480  # 15 blocks of 32
     for n in (37, 16, 5):
         raw = random_blocks(ggml_type, n, k, rng)
         packed = repacked(raw, ggml_type, n, k)
@@ -380,7 +389,7 @@ def test_tiled_kernel_is_the_canonical_order_bit_for_bit(ggml_type, path):
             assert np.all(np.abs(want - exact) <= 1.5e-6 * condition), (n, rows)
 
 
-@pytest.mark.parametrize("ggml_type", K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", REPACKED, ids=lambda t: t.name)
 def test_tiled_rows_do_not_depend_on_their_batch(ggml_type):
     """Each of 33 rows alone gives the bits it gets as row r of every batch of 1..33 rows, on AVX2 and VNNI alike,
     on one thread or two."""

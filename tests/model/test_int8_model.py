@@ -55,7 +55,7 @@ def _score(llm: LLM, sequences: list[list[int]]) -> list[tuple[int, float, list[
 
 def _reference_linear(x: torch.Tensor, weight: panel.PanelWeight) -> torch.Tensor:
     code, blocks = panel.INT8_FORMATS[weight.format], weight.packed
-    if code >= panel.INT8_REPACKED_BASE:  # Q4_K / Q6_K in groups of 16: the file's blocks back from them
+    if code >= panel.INT8_REPACKED_BASE:  # repacked in groups of 16: the file's blocks back from them
         blocks = torch.ops.pagedkv.int8_repacked_blocks(blocks, torch.arange(weight.n), weight.n, weight.k, code)
         code += panel.INT8_FORMAT_BASE - panel.INT8_REPACKED_BASE
     if x.shape[0] == 0:
@@ -112,7 +112,7 @@ def test_a_q4_k_m_mix_with_biases_and_a_tied_q8_0_head(tmp_path, monkeypatch):
         tmp_path / "mix.gguf", T.Q4_K, "qwen2", part_types={"attn_v": T.Q6_K, "ffn_down": T.Q6_K},
         embedding_type=T.Q8_0, tie_word_embeddings=True,
     )
-    _compare(path, {"int8-q4_k-x16", "int8-q6_k-x16", "int8-q8_0"}, monkeypatch)
+    _compare(path, {"int8-q4_k-x16", "int8-q6_k-x16", "int8-q8_0-x16"}, monkeypatch)
 
 
 def test_a_tied_q6_k_head_repacked_serves_the_embedding_too(tmp_path, monkeypatch):
@@ -126,7 +126,7 @@ def test_the_legacy_types_with_llamas_interleaved_rows(tmp_path, monkeypatch):
     path = save_tiny_gguf(
         tmp_path / "legacy.gguf", T.Q4_1, part_types={"attn_v": T.Q5_0, "ffn_down": T.Q8_0, "ffn_up": T.Q4_0}
     )
-    _compare(path, {"int8-q4_1", "int8-q5_0", "int8-q8_0", "int8-q4_0"}, monkeypatch)
+    _compare(path, {"int8-q4_1", "int8-q5_0", "int8-q8_0-x16", "int8-q4_0"}, monkeypatch)
 
 
 def test_a_type_without_an_int8_kernel_stays_exact_and_says_so(tmp_path, caplog):
