@@ -1,4 +1,4 @@
-// The repacked layout of Q4_K, Q6_K and Q8_0 weights for the tiled int8 GEMM (int8_tiled.h), built once at load from the
+// The repacked layout of Q4_K, Q6_K, Q8_0 and Q5_0 weights for the tiled int8 GEMM (int8_tiled.h), built once at load from the
 // GGUF file's bytes, and its inverse (the file's blocks of chosen rows back, for the embedding lookup and tests).
 //
 // Why: the file keeps each output row's blocks together, so a kernel that reads them in place dots one output at a
@@ -24,6 +24,11 @@
 //     0     d[16]     fp16, the columns' block scales           32    csum[16]  int16: the sum of the column's 32
 //           codes (derived, not the file's: the VNNI body takes off the activations' offset of 128 through it)
 //     64    qs[8][16][4]: [t][n][b] = the file's code 4 t + b of column n (int8)
+//   Q5_0 (384 bytes per 32 values = 16 x 24; the file takes 16 x 22)
+//     0     d[16], 32 csum[16]: as Q8_0's (csum: the sum of the column's 32 codes u - 16)
+//     64    qs[4][16][4]: [t][n][b] = the file's qs[4 t + b] of column n (low nibble: code 4 t + b, high: 16 + 4 t + b)
+//     320   qh[16][4]: column n's 32 high bits, rearranged: bit t of byte b is code 4 t + b's (the file's bit 4 t + b),
+//           so that one shift and mask of the vector gives the high bits of codes 4 t .. 4 t + 3 of every column
 // Every byte of a real row's blocks is kept (the 12 packed scale bytes of Q4_K are its 16 6-bit values), so the
 // file's blocks come back exactly (repacked_rows).
 #pragma once
@@ -51,6 +56,11 @@ struct Q6KLayout {
 struct Q80Layout {
   static constexpr int64_t kFileBytes = 34, kBytes = 576;
   static constexpr int64_t kD = 0, kSum = 32, kQs = 64;
+};
+
+struct Q50Layout {
+  static constexpr int64_t kFileBytes = 22, kBytes = 384;
+  static constexpr int64_t kD = 0, kSum = 32, kQs = 64, kQh = 320;
 };
 
 // Q4_K's 12 scale bytes <-> its 8 6-bit scales and 8 6-bit mins (ggml's get_scale_min_k4 and its inverse).
@@ -125,6 +135,31 @@ void q8_0_column(GroupPtr<kToGroup> g, int64_t n, FilePtr<kToGroup> b) {
     int16_t sum = 0;
     for (int j = 0; j < 32; ++j) sum = static_cast<int16_t>(sum + static_cast<int8_t>(b[2 + j]));
     std::memcpy(g + L::kSum + 2 * n, &sum, sizeof(sum));
+  }
+}
+
+template <bool kToGroup>
+void q5_0_column(GroupPtr<kToGroup> g, int64_t n, FilePtr<kToGroup> b) {
+  using L = Q50Layout;
+  move_bytes<kToGroup>(g, b, 0, L::kD + 2 * n, 2);
+  for (int t = 0; t < 4; ++t) move_bytes<kToGroup>(g, b, 6 + 4 * t, L::kQs + (t * 16 + n) * 4, 4);
+  const auto spread = g + L::kQh + 4 * n;  // the rearranged high bits <-> the file's word at b + 2
+  uint32_t file = 0, ours = 0;
+  if constexpr (kToGroup) std::memcpy(&file, b + 2, 4);
+  else std::memcpy(&ours, spread, 4);
+  for (int j = 0; j < 32; ++j) {  // code j = 4 t + b: the file's bit j, our byte j % 4's bit j / 4
+    const int at = 8 * (j % 4) + j / 4;
+    if constexpr (kToGroup) ours |= (file >> j & 1u) << at;
+    else file |= (ours >> at & 1u) << j;
+  }
+  if constexpr (kToGroup) {
+    std::memcpy(spread, &ours, 4);
+    int16_t sum = 0;
+    for (int j = 0; j < 32; ++j)
+      sum = static_cast<int16_t>(sum + (j < 16 ? b[6 + j] & 15 : b[6 + j - 16] >> 4) + 16 * (file >> j & 1) - 16);
+    std::memcpy(g + L::kSum + 2 * n, &sum, sizeof(sum));
+  } else {
+    std::memcpy(b + 2, &file, 4);
   }
 }
 

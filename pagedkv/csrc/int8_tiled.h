@@ -1,4 +1,4 @@
-// The tiled int8 GEMM of Q4_K, Q6_K and Q8_0 on their repacked layout (int8_repack.h): a tile of R activation rows times
+// The tiled int8 GEMM of Q4_K, Q6_K, Q8_0 and Q5_0 on their repacked layout (int8_repack.h): a tile of R activation rows times
 // one group of 16 output columns, the columns in the lanes (16 dword lanes of a 512-bit vector; the AVX2 body does
 // the group as two halves of 8), each activation dword broadcast. No lane ever mixes two columns, so there is no
 // horizontal sum per block: a block costs 64 vpdpbusd (VNNI) per row and 16 columns.
@@ -12,11 +12,13 @@
 //   Q6_K: isum = sum_s sc_s sum_l u q - 32 sum_s sc_s bsum_s                       (exact int32; u = code + 32)
 //         acc  = fmaf(float(isum), da * d, acc)                                      y = acc
 //   Q8_0: isum = sum_l c q (32 values, Q8_0 activations, da their fp16 scale)      (exact int32)
+//   Q5_0: the same with c = u - 16
 //         acc  = fmaf(float(isum), da * d, acc)                                      y = acc
 // with acc = accm = 0 at the start and da * d, da * dmin rounded to fp32. The integer sums are exact (|isum| <
 // 2^28), so how an instruction set groups them does not matter: VNNI sums a sub-block's codes with vpdpbusd and
 // scales the sum with vpmulld; AVX2 multiplies each pair sum of maddubs by the scale in madd. Only the float steps
-// above are canonical, and those are the same instructions lane for lane on both paths. Q8_0's signed codes: AVX2
+// above are canonical, and those are the same instructions lane for lane on both paths. Q8_0 / Q5_0's signed codes
+// (one body for both, templated on the layout; Q5_0 decoded to c = u - 16 first): AVX2
 // multiplies |c| by q with c's sign (maddubs, pair sums <= 2 * 128 * 127); VNNI reads the activations offset to
 // unsigned (q ^ 0x80 = q + 128, done once per call) and takes 128 times the column's code sum (csum) off.
 #pragma once
@@ -26,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "int8_repack.h"
 
@@ -181,9 +184,24 @@ void q6_k_half(const Tiled& p, int64_t group, int64_t r0, int h8) {
   for (int r = 0; r < R; ++r) store8(p.y + (r0 + r) * p.ldy + kGroup * group + 8 * h8, acc[r], p.real(group) - 8 * h8);
 }
 
-template <int R>
-void q8_0_half(const Tiled& p, int64_t group, int64_t r0, int h) {
-  using L = Q80Layout;
+// Codes 4 t .. 4 t + 3 of the 8 columns of half h (AVX2) or of all 16 (AVX-512), signed: Q8_0's as stored, Q5_0's
+// nibble (run t % 4, low or high) with its high bit (bit t of each byte of the rearranged qh), minus 16.
+template <class L>
+inline __m256i legacy_codes(const uint8_t* g, int t, int h) {
+  const __m256i v = load256(g + L::kQs + 64 * (t % 4 + (std::is_same_v<L, Q80Layout> ? 4 * (t / 4) : 0)) + 32 * h);
+  if constexpr (std::is_same_v<L, Q80Layout>) {
+    return v;
+  } else {
+    const __m256i low = _mm256_set1_epi8(0x0F), bit = _mm256_set1_epi8(0x10);
+    const __m256i qh = load256(g + L::kQh + 32 * h);
+    const __m256i nib = _mm256_and_si256(t < 4 ? v : _mm256_srli_epi16(v, 4), low);
+    const __m256i high = _mm256_and_si256(t < 4 ? _mm256_slli_epi32(qh, 4 - t) : _mm256_srli_epi32(qh, t - 4), bit);
+    return _mm256_sub_epi8(_mm256_or_si256(nib, high), bit);
+  }
+}
+
+template <class L, int R>
+void legacy_half(const Tiled& p, int64_t group, int64_t r0, int h) {
   const uint8_t* base = p.w + group * p.blocks * L::kBytes;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
@@ -194,7 +212,7 @@ void q8_0_half(const Tiled& p, int64_t group, int64_t r0, int h) {
     for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int t = 0; t < 8; ++t) {
-      const __m256i c = load256(g + L::kQs + 64 * t + 32 * h), u = _mm256_abs_epi8(c);
+      const __m256i c = legacy_codes<L>(g, t, h), u = _mm256_abs_epi8(c);
       for (int r = 0; r < R; ++r) {
         const __m256i s = _mm256_sign_epi8(_mm256_set1_epi32(dword_at(p.q_at(r0 + r, i) + 4 * t)), c);
         isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones));
@@ -209,10 +227,10 @@ void q8_0_half(const Tiled& p, int64_t group, int64_t r0, int h) {
   for (int r = 0; r < R; ++r) store8(p.y + (r0 + r) * p.ldy + kGroup * group + 8 * h, acc[r], p.real(group) - 8 * h);
 }
 
-template <int R>
-void q8_0_tile(const Tiled& p, int64_t group, int64_t r0) {
-  q8_0_half<R>(p, group, r0, 0);
-  if (p.real(group) > 8) q8_0_half<R>(p, group, r0, 1);
+template <class L, int R>
+void legacy_tile(const Tiled& p, int64_t group, int64_t r0) {
+  legacy_half<L, R>(p, group, r0, 0);
+  if (p.real(group) > 8) legacy_half<L, R>(p, group, r0, 1);
 }
 
 template <int R>
@@ -332,9 +350,21 @@ INT8_TILED_AVX512 void q6_k_tile_512(const Tiled& p, int64_t group, int64_t r0) 
 }
 
 // The activation codes are offset to unsigned (q ^ 0x80) for this path; 128 csum taken off per block.
-template <int R>
-INT8_TILED_AVX512 void q8_0_tile_512(const Tiled& p, int64_t group, int64_t r0) {
-  using L = Q80Layout;
+template <class L>
+INT8_TILED_AVX512 inline __m512i legacy_codes_512(const uint8_t* g, int t) {
+  const __m512i v = load512(g + L::kQs + 64 * (t % 4 + (std::is_same_v<L, Q80Layout> ? 4 * (t / 4) : 0)));
+  if constexpr (std::is_same_v<L, Q80Layout>) {
+    return v;
+  } else {
+    const __m512i low = _mm512_set1_epi8(0x0F), bit = _mm512_set1_epi8(0x10), qh = load512(g + L::kQh);
+    const __m512i nib = _mm512_and_si512(t < 4 ? v : _mm512_srli_epi16(v, 4), low);
+    const __m512i high = _mm512_and_si512(t < 4 ? _mm512_slli_epi32(qh, 4 - t) : _mm512_srli_epi32(qh, t - 4), bit);
+    return _mm512_sub_epi8(_mm512_or_si512(nib, high), bit);
+  }
+}
+
+template <class L, int R>
+INT8_TILED_AVX512 void legacy_tile_512(const Tiled& p, int64_t group, int64_t r0) {
   const uint8_t* base = p.w + group * p.blocks * L::kBytes;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -344,7 +374,7 @@ INT8_TILED_AVX512 void q8_0_tile_512(const Tiled& p, int64_t group, int64_t r0) 
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int t = 0; t < 8; ++t) {
-      const __m512i c = load512(g + L::kQs + 64 * t);
+      const __m512i c = legacy_codes_512<L>(g, t);
       for (int r = 0; r < R; ++r)
         isum[r] = _mm512_dpbusd_epi32(isum[r], _mm512_set1_epi32(dword_at(p.q_at(r0 + r, i) + 4 * t)), c);
     }

@@ -2,9 +2,10 @@
 reference of llama.cpp's arithmetic: x quantised as ggml's reference quantisers do, integer dot products with the
 weights' codes, the block scales applied in fp32 -- per type, on random blocks with extreme scales, on every
 instruction-set path; the quantisation itself against the ``gguf`` package's; batch invariance bit for bit.
-Q4_K, Q6_K and Q8_0 repacked in groups of 16 outputs (``csrc/int8_repack.h``, what "gguf-int8" loads them as) run the
-tiled kernel (``csrc/int8_tiled.h``), whose float steps are canonical: the numpy reference replays them bit for
-bit (:func:`canonical`); the file-order kernel of those types is held to fp32 rounding of the exact sums.
+Q4_K, Q6_K, Q8_0 and Q5_0 repacked in groups of 16 outputs (``csrc/int8_repack.h``, what "gguf-int8" loads them
+as) run the tiled kernel (``csrc/int8_tiled.h``), whose float steps are canonical: the numpy reference replays
+them bit for bit (:func:`canonical`); the file-order kernel of those types is held to fp32 rounding of the exact
+sums.
 The end-to-end check (a tiny GGUF model, exact vs int8 logits) is in tests/model/test_int8_model.py."""
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.skipif(not kernels.gemm.available(), reason="the GEMM l
 AUTO, AVX2, VNNI = 0, 1, 2
 PATHS = [AVX2] + ([VNNI] if "avx512_vnni" in Path("/proc/cpuinfo").read_text().split() else [])
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]
-REPACKED = [T.Q8_0, T.Q4_K, T.Q6_K]  # what "gguf-int8" repacks for the tiled kernel
+REPACKED = [T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]  # what "gguf-int8" repacks for the tiled kernel
 BLOCK = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q5_0: (32, 22), T.Q8_0: (32, 34), T.Q4_K: (256, 144), T.Q6_K: (256, 210)}
 HALF_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q6_K: (208,)}
 # fp16 scales the random blocks draw from: ordinary ones and the extremes (largest, smallest normal, subnormal, 0)
@@ -176,7 +177,7 @@ def fmaf(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
 
 
 def canonical(x: np.ndarray, raw: np.ndarray, ggml_type: T, k: int) -> np.ndarray:
-    """Q4_K / Q6_K / Q8_0 as the tiled kernel computes them, bit for bit (the order in csrc/int8_tiled.h): per
+    """Q4_K / Q6_K / Q8_0 / Q5_0 as the tiled kernel computes them, bit for bit (the order in csrc/int8_tiled.h): per
     block the exact integer sums, then acc = fmaf(isum, da d, acc) and (Q4_K) accm = fmaf(imin, -(da dmin), accm),
     blocks in file order; y = acc + accm, all fp32."""
     m, n = len(x), len(raw)
