@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import shutil
 import sys
 import sysconfig
@@ -205,3 +206,14 @@ def test_a_checkout_finds_its_make_wheel_build(monkeypatch, tmp_path):
     assert extension.prebuilt_directory() == fake.parent / "_lib", "an installed wheel's own libraries"
     monkeypatch.setenv("PAGEDKV_KERNEL_DIR", str(tmp_path / "given"))
     assert extension.prebuilt_directory() == tmp_path / "given"
+
+
+def test_setup_py_builds_every_file_the_loader_checks():
+    """setup.py (the wheel, and make test's build/) and kernels.py (the first-use compile, and the digests a build
+    must match) name the same sources and headers, every one in csrc/: a file kernels.py lists but setup.py does
+    not would leave make test's build/ unused (compiled again on first use), and one setup.py lacks would not be
+    in the wheel's libraries."""
+    names_in_setup = set(re.findall(r'([A-Za-z0-9_]+\.(?:cpp|h))"', (PACKAGE.parent / "setup.py").read_text()))
+    names_in_kernels = {p.name for library in (kernels.portable, kernels.gemm) for p in library.files()}
+    in_csrc = {p.name for p in CSRC.iterdir() if p.suffix in (".cpp", ".h")}
+    assert names_in_setup == names_in_kernels == in_csrc
