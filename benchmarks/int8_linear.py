@@ -30,8 +30,8 @@ from pagedkv.model import gguf_blocks, int8_linear, panel  # noqa: E402
 from pagedkv.model.panel import INT8_FORMAT_BASE, PanelWeight  # noqa: E402
 
 # where each block's fp16 scales sit
-HALVES_AT = {T.Q4_0: (0,), T.Q5_0: (0,), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q6_K: (208,)}
-SHAPES = [(T.Q4_K, 5632, 2048), (T.Q6_K, 2048, 5632)] + [(t, 5632, 2048) for t in (T.Q8_0, T.Q5_0, T.Q4_0)]
+HALVES_AT = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q6_K: (208,)}
+SHAPES = [(T.Q4_K, 5632, 2048), (T.Q6_K, 2048, 5632)] + [(t, 5632, 2048) for t in (T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_1)]
 
 
 def random_blocks(ggml_type: T, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:

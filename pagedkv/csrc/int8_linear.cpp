@@ -40,7 +40,7 @@
 // W is the GGUF file's blocks as they are, row-major [N][K / block] (a one-row GEMV reads it as one stream), so
 // it may view the read-only memory map. Format code: kFormatBase + the ggml type id.
 //
-// Q4_K, Q6_K, Q8_0 and Q5_0 also come repacked in groups of 16 outputs (format kRepackedBase + the type id; int8_repack.h,
+// Every type also comes repacked in groups of 16 outputs (format kRepackedBase + the type id; int8_repack.h,
 // built by the int8_repack op), which is how "gguf-int8" loads them: their tiled kernel (int8_tiled.h) puts 16
 // outputs in the lanes of a vector and has no per-block horizontal sum -- its own canonical order is stated there.
 // The file-order kernels of those two types stay for comparison (benchmarks/int8_linear.py).
@@ -69,7 +69,7 @@
 namespace {
 
 constexpr int64_t kFormatBase = 64;
-constexpr int64_t kRepackedBase = 128;  // + ggml type: Q4_K / Q6_K / Q8_0 / Q5_0 repacked in groups of 16 outputs (int8_repack.h)
+constexpr int64_t kRepackedBase = 128;  // + ggml type: every int8 type repacked in groups of 16 outputs (int8_repack.h)
 constexpr int64_t kTile = 4;    // x rows per pass over a weight block (accumulators in registers)
 constexpr int64_t kChunk = 16;  // outputs whose weights stay in L2 while every tile passes
 
@@ -192,10 +192,10 @@ template <int... R>
 constexpr std::array<TiledFn, sizeof...(R)> q8_0_avx2 = {legacy_tile<Q80Layout, R>...};
 template <int... R>
 constexpr std::array<TiledFn, sizeof...(R)> q8_0_avx512 = {legacy_tile_512<Q80Layout, R>...};
-template <int... R>
-constexpr std::array<TiledFn, sizeof...(R)> q5_0_avx2 = {legacy_tile<Q50Layout, R>...};
-template <int... R>
-constexpr std::array<TiledFn, sizeof...(R)> q5_0_avx512 = {legacy_tile_512<Q50Layout, R>...};
+template <class L, int... R>
+constexpr std::array<TiledFn, sizeof...(R)> legacy_avx2 = {legacy_tile<L, R>...};
+template <class L, int... R>
+constexpr std::array<TiledFn, sizeof...(R)> legacy_avx512 = {legacy_tile_512<L, R>...};
 template <int... R>
 constexpr std::array<TiledFn, sizeof...(R)> q4_k_avx512 = {q4_k_tile_512<R>...};
 template <int... R>
@@ -207,14 +207,18 @@ TileSet tiles_of(int64_t type, bool vnni) {
       case kQ4_K: return {q4_k_avx512<1, 2, 3, 4, 5, 6, 7, 8>.data(), 8};
       case kQ6_K: return {q6_k_avx512<1, 2, 3, 4, 5, 6, 7, 8>.data(), 8};
       case kQ8_0: return {q8_0_avx512<1, 2, 3, 4, 5, 6, 7, 8>.data(), 8};
-      default: return {q5_0_avx512<1, 2, 3, 4, 5, 6, 7, 8>.data(), 8};
+      case kQ5_0: return {legacy_avx512<Q50Layout, 1, 2, 3, 4, 5, 6, 7, 8>.data(), 8};
+      case kQ4_0: return {legacy_avx512<Q40Layout, 1, 2, 3, 4, 5, 6, 7, 8>.data(), 8};
+      default: return {legacy_avx512<Q41Layout, 1, 2, 3, 4, 5, 6, 7, 8>.data(), 8};
     }
   }
   switch (type) {
     case kQ4_K: return {q4_k_avx2<1, 2, 3, 4>.data(), 4};
     case kQ6_K: return {q6_k_avx2<1, 2, 3, 4>.data(), 4};
     case kQ8_0: return {q8_0_avx2<1, 2, 3, 4>.data(), 4};
-    default: return {q5_0_avx2<1, 2, 3, 4>.data(), 4};
+    case kQ5_0: return {legacy_avx2<Q50Layout, 1, 2, 3, 4>.data(), 4};
+    case kQ4_0: return {legacy_avx2<Q40Layout, 1, 2, 3, 4>.data(), 4};
+    default: return {legacy_avx2<Q41Layout, 1, 2, 3, 4>.data(), 4};
   }
 }
 
@@ -227,18 +231,30 @@ void run_groups(const Tiled& p, int64_t m, TileSet tiles) {
 }
 
 int64_t repacked_bytes(int64_t type) {
-  return type == kQ4_K ? Q4KLayout::kBytes : type == kQ6_K ? Q6KLayout::kBytes
-                       : type == kQ8_0 ? Q80Layout::kBytes : Q50Layout::kBytes;
+  switch (type) {
+    case kQ4_K: return Q4KLayout::kBytes;
+    case kQ6_K: return Q6KLayout::kBytes;
+    case kQ8_0: return Q80Layout::kBytes;
+    case kQ5_0: return Q50Layout::kBytes;
+    case kQ4_0: return Q40Layout::kBytes;
+    default: return Q41Layout::kBytes;
+  }
 }
 int64_t file_bytes(int64_t type) {
-  return type == kQ4_K ? Q4KLayout::kFileBytes : type == kQ6_K ? Q6KLayout::kFileBytes
-                       : type == kQ8_0 ? Q80Layout::kFileBytes : Q50Layout::kFileBytes;
+  switch (type) {
+    case kQ4_K: return Q4KLayout::kFileBytes;
+    case kQ6_K: return Q6KLayout::kFileBytes;
+    case kQ8_0: return Q80Layout::kFileBytes;
+    case kQ5_0: return Q50Layout::kFileBytes;
+    case kQ4_0: return Q40Layout::kFileBytes;
+    default: return Q41Layout::kFileBytes;
+  }
 }
-int64_t block_values(int64_t type) { return type == kQ8_0 || type == kQ5_0 ? 32 : 256; }
+int64_t block_values(int64_t type) { return type == kQ4_K || type == kQ6_K ? 256 : 32; }
 
 bool is_repacked(int64_t format) {
   const int64_t type = format - kRepackedBase;
-  return type == kQ4_K || type == kQ6_K || type == kQ8_0 || type == kQ5_0;
+  return type == kQ4_K || type == kQ6_K || type == kQ8_0 || type == kQ5_0 || type == kQ4_0 || type == kQ4_1;
 }
 
 // Column n's block of a repacked type into its group-block (kToGroup) or out of it.
@@ -247,7 +263,9 @@ void column(int64_t type, GroupPtr<kToGroup> g, int64_t n, FilePtr<kToGroup> b) 
   if (type == kQ4_K) q4_k_column<kToGroup>(g, n, b);
   else if (type == kQ6_K) q6_k_column<kToGroup>(g, n, b);
   else if (type == kQ8_0) q8_0_column<kToGroup>(g, n, b);
-  else q5_0_column<kToGroup>(g, n, b);
+  else if (type == kQ5_0) q5_0_column<kToGroup>(g, n, b);
+  else if (type == kQ4_0) nibble_column<Q40Layout, kToGroup>(g, n, b);
+  else nibble_column<Q41Layout, kToGroup>(g, n, b);
 }
 
 // (values, bytes) of a block of a supported type.
@@ -262,7 +280,7 @@ std::pair<int64_t, int64_t> block_of(const char* op, int64_t format) {
     case kQ6_K: return {Q6_K::kBlock, Q6_K::kBytes};
     default: TORCH_CHECK_VALUE(false, op, ": format ", format, " is not an int8-activation format (", kFormatBase,
                                " + ggml type Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K; ", kRepackedBase,
-                               " + Q4_K, Q6_K, Q8_0 or Q5_0 repacked)");
+                               " + Q4_K, Q6_K, Q8_0, Q5_0, Q4_0 or Q4_1 repacked)");
   }
 }
 
@@ -298,9 +316,10 @@ void into(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t k, int64_
   const Quantised a = quantise(x.contiguous(), type);
   if (is_repacked(format)) {
     const int64_t values = block_values(type);
-    if ((type == kQ8_0 || type == kQ5_0) && vnni) a.q.bitwise_xor_(-128);  // q + 128 as unsigned bytes: vpdpbusd's operand
+    if (type != kQ4_1 && !uses_q8_k(type) && vnni) a.q.bitwise_xor_(-128);  // q + 128, vpdpbusd's unsigned operand
     const Tiled p{static_cast<const uint8_t*>(w.data_ptr()), k / values, n, k, values, a.q.data_ptr<int8_t>(),
-                  a.d.data_ptr<float>(), uses_q8_k(type) ? a.sums.data_ptr<int16_t>() : nullptr, a.sums.size(1),
+                  a.d.data_ptr<float>(), uses_q8_k(type) ? a.sums.data_ptr<int16_t>() : nullptr,
+                  type == kQ4_1 ? a.sums.data_ptr<float>() : nullptr, a.sums.size(1),
                   y.data_ptr<float>() + col, y.size(1)};
     return run_groups(p, x.size(0), tiles_of(type, vnni));
   }
@@ -346,11 +365,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_quantise(const at::Tensor& x
   return {a.q, a.d, a.sums};
 }
 
-// Q4_K / Q6_K / Q8_0 / Q5_0 blocks [N][K / block] as the file holds them -> the repacked layout of `format` (int8_repack.h); the
+// Blocks [N][K / block] as the file holds them -> the repacked layout of `format` (int8_repack.h); the
 // last group's padding columns are zeros.
 at::Tensor int8_repack(const at::Tensor& blocks, int64_t n, int64_t k, int64_t format) {
   TORCH_CHECK_VALUE(is_repacked(format), "int8_repack: format ", format, " is not a repacked format (", kRepackedBase,
-                    " + Q4_K, Q6_K, Q8_0 or Q5_0)");
+                    " + Q4_K, Q6_K, Q8_0, Q5_0, Q4_0 or Q4_1)");
   const int64_t type = format - kRepackedBase, blocks_per_row = k / block_values(type);
   const int64_t row_bytes = blocks_per_row * file_bytes(type);
   check_weight("int8_repack", blocks, n, k, kFormatBase + type);

@@ -1,5 +1,6 @@
-// The repacked layout of Q4_K, Q6_K, Q8_0 and Q5_0 weights for the tiled int8 GEMM (int8_tiled.h), built once at load from the
-// GGUF file's bytes, and its inverse (the file's blocks of chosen rows back, for the embedding lookup and tests).
+// The repacked layout of the int8 GEMM's weights (Q4_K, Q6_K and the 32-value types) for its tiled kernel
+// (int8_tiled.h), built once at load from the GGUF file's bytes, and its inverse (the file's blocks of chosen rows
+// back, for the embedding lookup and tests).
 //
 // Why: the file keeps each output row's blocks together, so a kernel that reads them in place dots one output at a
 // time and must fold and sum eight lanes per (block, row). Here 16 outputs ("a group"; zero rows pad the last) sit
@@ -24,6 +25,8 @@
 //     0     d[16]     fp16, the columns' block scales           32    csum[16]  int16: the sum of the column's 32
 //           codes (derived, not the file's: the VNNI body takes off the activations' offset of 128 through it)
 //     64    qs[8][16][4]: [t][n][b] = the file's code 4 t + b of column n (int8)
+//   Q4_0 (320 bytes = 16 x 20; file 16 x 18), Q4_1 (320 = 16 x 20, as the file): d[16] at 0; Q4_0's csum[16]
+//           (the sum of codes u - 8) or Q4_1's m[16] (fp16) at 32; qs[4][16][4] at 64, as Q5_0's
 //   Q5_0 (384 bytes per 32 values = 16 x 24; the file takes 16 x 22)
 //     0     d[16], 32 csum[16]: as Q8_0's (csum: the sum of the column's 32 codes u - 16)
 //     64    qs[4][16][4]: [t][n][b] = the file's qs[4 t + b] of column n (low nibble: code 4 t + b, high: 16 + 4 t + b)
@@ -53,14 +56,33 @@ struct Q6KLayout {
   static constexpr int64_t at(int h, int t, int which) { return kCodes + ((h * 8 + t) * 3 + which) * 64; }
 };
 
+// The 32-value types: whether codes are nibbles, with Q5_0's high bits, the offset taken off them, a min (Q4_1).
 struct Q80Layout {
   static constexpr int64_t kFileBytes = 34, kBytes = 576;
   static constexpr int64_t kD = 0, kSum = 32, kQs = 64;
+  static constexpr bool kNibbles = false, kHighBits = false, kMin = false;
+  static constexpr int kOffset = 0;
 };
 
 struct Q50Layout {
   static constexpr int64_t kFileBytes = 22, kBytes = 384;
   static constexpr int64_t kD = 0, kSum = 32, kQs = 64, kQh = 320;
+  static constexpr bool kNibbles = true, kHighBits = true, kMin = false;
+  static constexpr int kOffset = 16;
+};
+
+struct Q40Layout {
+  static constexpr int64_t kFileBytes = 18, kBytes = 320, kFileQs = 2;
+  static constexpr int64_t kD = 0, kSum = 32, kQs = 64;
+  static constexpr bool kNibbles = true, kHighBits = false, kMin = false;
+  static constexpr int kOffset = 8;
+};
+
+struct Q41Layout {
+  static constexpr int64_t kFileBytes = 20, kBytes = 320, kFileQs = 4;
+  static constexpr int64_t kD = 0, kM = 32, kQs = 64;
+  static constexpr bool kNibbles = true, kHighBits = false, kMin = true;
+  static constexpr int kOffset = 0;
 };
 
 // Q4_K's 12 scale bytes <-> its 8 6-bit scales and 8 6-bit mins (ggml's get_scale_min_k4 and its inverse).
@@ -160,6 +182,19 @@ void q5_0_column(GroupPtr<kToGroup> g, int64_t n, FilePtr<kToGroup> b) {
     std::memcpy(g + L::kSum + 2 * n, &sum, sizeof(sum));
   } else {
     std::memcpy(b + 2, &file, 4);
+  }
+}
+
+// Q4_0 / Q4_1: d (and Q4_1's m) and the 16 bytes of nibbles; Q4_0's code sum.
+template <class L, bool kToGroup>
+void nibble_column(GroupPtr<kToGroup> g, int64_t n, FilePtr<kToGroup> b) {
+  move_bytes<kToGroup>(g, b, 0, L::kD + 2 * n, 2);
+  if constexpr (L::kMin) move_bytes<kToGroup>(g, b, 2, L::kM + 2 * n, 2);
+  for (int t = 0; t < 4; ++t) move_bytes<kToGroup>(g, b, L::kFileQs + 4 * t, L::kQs + (t * 16 + n) * 4, 4);
+  if constexpr (kToGroup && !L::kMin) {
+    int16_t sum = -32 * L::kOffset;
+    for (int j = 0; j < 16; ++j) sum = static_cast<int16_t>(sum + (b[L::kFileQs + j] & 15) + (b[L::kFileQs + j] >> 4));
+    std::memcpy(g + L::kSum + 2 * n, &sum, sizeof(sum));
   }
 }
 

@@ -1,6 +1,7 @@
-// The tiled int8 GEMM of Q4_K, Q6_K, Q8_0 and Q5_0 on their repacked layout (int8_repack.h): a tile of R activation rows times
-// one group of 16 output columns, the columns in the lanes (16 dword lanes of a 512-bit vector; the AVX2 body does
-// the group as two halves of 8), each activation dword broadcast. No lane ever mixes two columns, so there is no
+// The tiled int8 GEMM of Q4_K, Q6_K and the 32-value types (Q8_0, Q5_0, Q4_0, Q4_1) on their repacked layout
+// (int8_repack.h): a tile of R activation rows times one group of 16 output columns, the columns in the lanes (16
+// dword lanes of a 512-bit vector; the AVX2 body does the group as two halves of 8), each activation dword
+// broadcast. No lane ever mixes two columns, so there is no
 // horizontal sum per block: a block costs 64 vpdpbusd (VNNI) per row and 16 columns.
 //
 // The canonical order, the same for every tile size and path (so a row's bits never depend on the other rows of
@@ -12,13 +13,15 @@
 //   Q6_K: isum = sum_s sc_s sum_l u q - 32 sum_s sc_s bsum_s                       (exact int32; u = code + 32)
 //         acc  = fmaf(float(isum), da * d, acc)                                      y = acc
 //   Q8_0: isum = sum_l c q (32 values, Q8_0 activations, da their fp16 scale)      (exact int32)
-//   Q5_0: the same with c = u - 16
+//   Q5_0, Q4_0: the same with c = u - 16, u - 8
+//   Q4_1: isum = sum_l u q (Q8_1 activations, sa = fp16(da sum q))                  (exact int32)
+//         acc  = fmaf(float(isum), da * d, acc)  accm = fmaf(m, sa, accm)           y = acc + accm
 //         acc  = fmaf(float(isum), da * d, acc)                                      y = acc
 // with acc = accm = 0 at the start and da * d, da * dmin rounded to fp32. The integer sums are exact (|isum| <
 // 2^28), so how an instruction set groups them does not matter: VNNI sums a sub-block's codes with vpdpbusd and
 // scales the sum with vpmulld; AVX2 multiplies each pair sum of maddubs by the scale in madd. Only the float steps
-// above are canonical, and those are the same instructions lane for lane on both paths. Q8_0 / Q5_0's signed codes
-// (one body for both, templated on the layout; Q5_0 decoded to c = u - 16 first): AVX2
+// above are canonical, and those are the same instructions lane for lane on both paths. The 32-value types share
+// one body, templated on the layout (codes decoded to c = u - offset first). Signed codes (all but Q4_1): AVX2
 // multiplies |c| by q with c's sign (maddubs, pair sums <= 2 * 128 * 127); VNNI reads the activations offset to
 // unsigned (q ^ 0x80 = q + 128, done once per call) and takes 128 times the column's code sum (csum) off.
 #pragma once
@@ -43,12 +46,14 @@ struct Tiled {
   const int8_t* q;
   const float* d;
   const int16_t* bsums;
+  const float* sa;
   int64_t sums_per_row;
   float* y;
   int64_t ldy;
 
   const int8_t* q_at(int64_t row, int64_t i) const { return q + row * k + values * i; }
   float d_at(int64_t row, int64_t i) const { return d[row * blocks + i]; }
+  float sa_at(int64_t row, int64_t i) const { return sa[row * blocks + i]; }  // Q4_1: Q8_1's fp16(da sum q)
   // The pair of code sums (2 p, 2 p + 1) of block i as one dword: what madd / vpdpwssd pairs with a scale pair.
   int pair_at(int64_t row, int64_t i, int p) const {
     int v;
@@ -184,19 +189,23 @@ void q6_k_half(const Tiled& p, int64_t group, int64_t r0, int h8) {
   for (int r = 0; r < R; ++r) store8(p.y + (r0 + r) * p.ldy + kGroup * group + 8 * h8, acc[r], p.real(group) - 8 * h8);
 }
 
-// Codes 4 t .. 4 t + 3 of the 8 columns of half h (AVX2) or of all 16 (AVX-512), signed: Q8_0's as stored, Q5_0's
-// nibble (run t % 4, low or high) with its high bit (bit t of each byte of the rearranged qh), minus 16.
+// Codes 4 t .. 4 t + 3 of the 8 columns of half h (AVX2) or of all 16 (AVX-512): Q8_0's as stored; the others'
+// nibble (run t % 4, low or high), with Q5_0's high bit (bit t of each byte of the rearranged qh), minus the type's
+// offset (Q5_0 16, Q4_0 8; Q4_1's stay unsigned).
 template <class L>
 inline __m256i legacy_codes(const uint8_t* g, int t, int h) {
-  const __m256i v = load256(g + L::kQs + 64 * (t % 4 + (std::is_same_v<L, Q80Layout> ? 4 * (t / 4) : 0)) + 32 * h);
-  if constexpr (std::is_same_v<L, Q80Layout>) {
-    return v;
+  if constexpr (!L::kNibbles) {
+    return load256(g + L::kQs + 64 * t + 32 * h);
   } else {
-    const __m256i low = _mm256_set1_epi8(0x0F), bit = _mm256_set1_epi8(0x10);
-    const __m256i qh = load256(g + L::kQh + 32 * h);
-    const __m256i nib = _mm256_and_si256(t < 4 ? v : _mm256_srli_epi16(v, 4), low);
-    const __m256i high = _mm256_and_si256(t < 4 ? _mm256_slli_epi32(qh, 4 - t) : _mm256_srli_epi32(qh, t - 4), bit);
-    return _mm256_sub_epi8(_mm256_or_si256(nib, high), bit);
+    const __m256i v = load256(g + L::kQs + 64 * (t % 4) + 32 * h), low = _mm256_set1_epi8(0x0F);
+    __m256i u = _mm256_and_si256(t < 4 ? v : _mm256_srli_epi16(v, 4), low);
+    if constexpr (L::kHighBits) {
+      const __m256i qh = load256(g + L::kQh + 32 * h);
+      u = _mm256_or_si256(u, _mm256_and_si256(t < 4 ? _mm256_slli_epi32(qh, 4 - t) : _mm256_srli_epi32(qh, t - 4),
+                                              _mm256_set1_epi8(0x10)));
+    }
+    if constexpr (L::kOffset != 0) u = _mm256_sub_epi8(u, _mm256_set1_epi8(L::kOffset));
+    return u;
   }
 }
 
@@ -204,17 +213,19 @@ template <class L, int R>
 void legacy_half(const Tiled& p, int64_t group, int64_t r0, int h) {
   const uint8_t* base = p.w + group * p.blocks * L::kBytes;
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[R], accm[R];
+  for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
   for (int64_t i = 0; i < p.blocks; ++i) {
     const uint8_t* g = base + i * L::kBytes;
     __m256i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int t = 0; t < 8; ++t) {
-      const __m256i c = legacy_codes<L>(g, t, h), u = _mm256_abs_epi8(c);
+      const __m256i c = legacy_codes<L>(g, t, h);
+      const __m256i u = L::kMin ? c : _mm256_abs_epi8(c);  // Q4_1's codes are unsigned already
       for (int r = 0; r < R; ++r) {
-        const __m256i s = _mm256_sign_epi8(_mm256_set1_epi32(dword_at(p.q_at(r0 + r, i) + 4 * t)), c);
+        const __m256i q = _mm256_set1_epi32(dword_at(p.q_at(r0 + r, i) + 4 * t));
+        const __m256i s = L::kMin ? q : _mm256_sign_epi8(q, c);
         isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones));
       }
     }
@@ -223,8 +234,15 @@ void legacy_half(const Tiled& p, int64_t group, int64_t r0, int h) {
       const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(p.d_at(r0 + r, i)), dw);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
     }
+    if constexpr (L::kMin) {
+      const __m256 mw = _mm256_cvtph_ps(load128(g + L::kM + 16 * h));
+      for (int r = 0; r < R; ++r) accm[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(p.sa_at(r0 + r, i)), accm[r]);
+    }
   }
-  for (int r = 0; r < R; ++r) store8(p.y + (r0 + r) * p.ldy + kGroup * group + 8 * h, acc[r], p.real(group) - 8 * h);
+  for (int r = 0; r < R; ++r) {
+    const __m256 y = L::kMin ? _mm256_add_ps(acc[r], accm[r]) : acc[r];
+    store8(p.y + (r0 + r) * p.ldy + kGroup * group + 8 * h, y, p.real(group) - 8 * h);
+  }
 }
 
 template <class L, int R>
@@ -349,25 +367,30 @@ INT8_TILED_AVX512 void q6_k_tile_512(const Tiled& p, int64_t group, int64_t r0) 
   for (int r = 0; r < R; ++r) store16(p.y + (r0 + r) * p.ldy + kGroup * group, acc[r], p.real(group));
 }
 
-// The activation codes are offset to unsigned (q ^ 0x80) for this path; 128 csum taken off per block.
 template <class L>
 INT8_TILED_AVX512 inline __m512i legacy_codes_512(const uint8_t* g, int t) {
-  const __m512i v = load512(g + L::kQs + 64 * (t % 4 + (std::is_same_v<L, Q80Layout> ? 4 * (t / 4) : 0)));
-  if constexpr (std::is_same_v<L, Q80Layout>) {
-    return v;
+  if constexpr (!L::kNibbles) {
+    return load512(g + L::kQs + 64 * t);
   } else {
-    const __m512i low = _mm512_set1_epi8(0x0F), bit = _mm512_set1_epi8(0x10), qh = load512(g + L::kQh);
-    const __m512i nib = _mm512_and_si512(t < 4 ? v : _mm512_srli_epi16(v, 4), low);
-    const __m512i high = _mm512_and_si512(t < 4 ? _mm512_slli_epi32(qh, 4 - t) : _mm512_srli_epi32(qh, t - 4), bit);
-    return _mm512_sub_epi8(_mm512_or_si512(nib, high), bit);
+    const __m512i v = load512(g + L::kQs + 64 * (t % 4)), low = _mm512_set1_epi8(0x0F);
+    __m512i u = _mm512_and_si512(t < 4 ? v : _mm512_srli_epi16(v, 4), low);
+    if constexpr (L::kHighBits) {
+      const __m512i qh = load512(g + L::kQh);
+      u = _mm512_or_si512(u, _mm512_and_si512(t < 4 ? _mm512_slli_epi32(qh, 4 - t) : _mm512_srli_epi32(qh, t - 4),
+                                              _mm512_set1_epi8(0x10)));
+    }
+    if constexpr (L::kOffset != 0) u = _mm512_sub_epi8(u, _mm512_set1_epi8(L::kOffset));
+    return u;
   }
 }
 
+// Signed codes: the activation codes come offset to unsigned (q ^ 0x80, once per call), 128 csum taken off per
+// block. Q4_1's unsigned codes take the activations as they are.
 template <class L, int R>
 INT8_TILED_AVX512 void legacy_tile_512(const Tiled& p, int64_t group, int64_t r0) {
   const uint8_t* base = p.w + group * p.blocks * L::kBytes;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[R], accm[R];
+  for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < p.blocks; ++i) {
     const uint8_t* g = base + i * L::kBytes;
     __m512i isum[R];
@@ -375,17 +398,27 @@ INT8_TILED_AVX512 void legacy_tile_512(const Tiled& p, int64_t group, int64_t r0
 #pragma GCC unroll 8
     for (int t = 0; t < 8; ++t) {
       const __m512i c = legacy_codes_512<L>(g, t);
-      for (int r = 0; r < R; ++r)
-        isum[r] = _mm512_dpbusd_epi32(isum[r], _mm512_set1_epi32(dword_at(p.q_at(r0 + r, i) + 4 * t)), c);
+      for (int r = 0; r < R; ++r) {
+        const __m512i q = _mm512_set1_epi32(dword_at(p.q_at(r0 + r, i) + 4 * t));
+        isum[r] = L::kMin ? _mm512_dpbusd_epi32(isum[r], c, q) : _mm512_dpbusd_epi32(isum[r], q, c);
+      }
     }
-    const __m512i offset = _mm512_slli_epi32(_mm512_cvtepi16_epi32(load256(g + L::kSum)), 7);
+    if constexpr (!L::kMin) {
+      const __m512i offset = _mm512_slli_epi32(_mm512_cvtepi16_epi32(load256(g + L::kSum)), 7);
+      for (int r = 0; r < R; ++r) isum[r] = _mm512_sub_epi32(isum[r], offset);
+    }
     const __m512 dw = _mm512_cvtph_ps(load256(g + L::kD));
     for (int r = 0; r < R; ++r) {
       const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(p.d_at(r0 + r, i)), dw);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r], offset)), scale, acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), scale, acc[r]);
+    }
+    if constexpr (L::kMin) {
+      const __m512 mw = _mm512_cvtph_ps(load256(g + L::kM));
+      for (int r = 0; r < R; ++r) accm[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(p.sa_at(r0 + r, i)), accm[r]);
     }
   }
-  for (int r = 0; r < R; ++r) store16(p.y + (r0 + r) * p.ldy + kGroup * group, acc[r], p.real(group));
+  for (int r = 0; r < R; ++r)
+    store16(p.y + (r0 + r) * p.ldy + kGroup * group, L::kMin ? _mm512_add_ps(acc[r], accm[r]) : acc[r], p.real(group));
 }
 
 #undef INT8_Q6_K_CODES

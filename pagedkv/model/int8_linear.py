@@ -10,13 +10,13 @@ per activation), so they are no longer bit-equal to HF's, and greedy output can 
 close. What it keeps: a row's result does not depend on the other rows of its batch (the Determinism section
 of DESIGN.md).
 
-Q4_K, Q6_K (most of a Q4_K_M file), Q8_0 and Q5_0 are repacked at load, in one pass in C++ over the file's
-bytes, into groups of 16 output rows (``csrc/int8_repack.h``), the layout of the tiled kernel
-(``csrc/int8_tiled.h``) that makes a 32-row GEMM several times faster than on the file's row-major blocks; the
-copy is about the file tensor's size (148 / 144 bytes a block for Q4_K, 212 / 210 for Q6_K, 36 / 34 for Q8_0,
-24 / 22 for Q5_0), and the file's pages are let go after each layer, so a process holds the repacked copy, not the
-file (measured: 643 MiB of repacked weights from a 684 MiB Q4_K_M file, peak RSS below the exact format's;
-docs/int8-activations.md). The other legacy types (Q4_0, Q4_1) are read in place from the memory-mapped file.
+Every type is repacked at load, in one pass in C++ over the file's bytes, into groups of 16 output rows
+(``csrc/int8_repack.h``), the layout of the tiled kernel (``csrc/int8_tiled.h``) that makes a 32-row GEMM several
+times faster than on the file's row-major blocks; the copy is about the file tensor's size (per column-block,
+repacked / file: Q4_K 148 / 144 bytes, Q6_K 212 / 210, Q8_0 36 / 34, Q5_0 24 / 22, Q4_0 20 / 18, Q4_1 20 / 20),
+and the file's pages are let go after each layer, so a process holds the repacked copy, not the file (measured:
+643 MiB of repacked weights from a 684 MiB Q4_K_M file, peak RSS below the exact format's;
+docs/int8-activations.md).
 
 Types with an int8 kernel: :data:`TYPES` (those of a Q4_K_M file, and Q4_0 / Q4_1). A tensor of any other type
 stays on the exact path (packed for the panel GEMM), with a log line naming it.
@@ -39,31 +39,27 @@ logger = logging.getLogger(__name__)
 WEIGHT_FORMAT = "gguf-int8"
 TYPES = {int(t): f"int8-{t.name.lower()}" for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K)}
 assert all(INT8_FORMATS[name] == INT8_FORMAT_BASE + t for t, name in TYPES.items())
-# Q5_0, Q8_0, Q4_K and Q6_K are repacked at load for the tiled kernel; the others are read in place
-REPACKED = {int(t): f"int8-{t.name.lower()}-x16" for t in (T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K)}
+# every type is repacked at load for the tiled kernel (the file-order kernel stays for comparison)
+REPACKED = {int(t): f"int8-{t.name.lower()}-x16" for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K)}
 assert all(INT8_FORMATS[name] == INT8_REPACKED_BASE + t for t, name in REPACKED.items())
 
 
 def weight(tensor: GGUFTensor) -> PanelWeight | None:
-    """``tensor`` for the int8-activation GEMM: the types of :data:`REPACKED` repacked (:func:`repack`), the
-    other types' blocks as they are in the file; None (with an info line naming the tensor) for a type it has
-    no kernel for, which the caller then computes exactly."""
-    name = TYPES.get(tensor.ggml_type)
-    if name is None:
+    """``tensor`` for the int8-activation GEMM, repacked (:func:`repack`); None (with an info line naming the
+    tensor) for a type it has no kernel for, which the caller then computes exactly."""
+    if tensor.ggml_type not in REPACKED:
         logger.info(
             "%s: tensor %r is %s, which has no int8-activation kernel: it is computed exactly (fp32)",
             tensor.file, tensor.name, tensor.type_name,
         )
         return None
-    if tensor.ggml_type in REPACKED:
-        return repack(tensor.data, tensor.shape[0], tensor.k, tensor.ggml_type)
-    return PanelWeight(tensor.data.contiguous(), tensor.shape[0], tensor.k, name)
+    return repack(tensor.data, tensor.shape[0], tensor.k, tensor.ggml_type)
 
 
 def repack(blocks: Tensor, n: int, k: int, ggml_type: int) -> PanelWeight:
-    """``blocks`` of a :data:`REPACKED` type (the file's bytes, ``[n, row bytes]``) repacked in groups of 16
+    """``blocks`` of a type of :data:`TYPES` (the file's bytes, ``[n, row bytes]``) repacked in groups of 16
     outputs for the tiled kernel (``csrc/int8_repack.h``): one pass in C++, the file's bytes read once."""
-    kernels.gemm.require("gguf-int8 repacks Q5_0, Q8_0, Q4_K and Q6_K weights with them")
+    kernels.gemm.require("gguf-int8 repacks its weights with them")
     fmt = REPACKED[int(ggml_type)]
     packed = torch.ops.pagedkv.int8_repack(blocks.contiguous(), n, k, INT8_FORMATS[fmt])
     return PanelWeight(packed, n, k, fmt)

@@ -38,12 +38,13 @@ PANEL = 16
 COMPACT = {"q4k": 8, "q6k": 9, "q5": 10, "q5k": 11, "q2k": 12, "q3k": 13}
 # A GGUF file's own blocks for the int8-activation GEMM (``csrc/int8_linear.cpp``, weight_format "gguf-int8"):
 # code INT8_FORMAT_BASE + the ggml type id; the "packed" tensor is the blocks, row-major, as the file holds them.
-# Q4_K, Q6_K, Q8_0 and Q5_0 are repacked at load in groups of 16 outputs (``csrc/int8_repack.h``): code
+# Every type is repacked at load in groups of 16 outputs (``csrc/int8_repack.h``): code
 # INT8_REPACKED_BASE + the ggml type.
 INT8_FORMAT_BASE, INT8_REPACKED_BASE = 64, 128
 INT8_FORMATS = {
     "int8-q4_0": 66, "int8-q4_1": 67, "int8-q5_0": 70, "int8-q8_0": 72, "int8-q4_k": 76, "int8-q6_k": 78,
-    "int8-q5_0-x16": 134, "int8-q8_0-x16": 136, "int8-q4_k-x16": 140, "int8-q6_k-x16": 142,
+    "int8-q4_0-x16": 130, "int8-q4_1-x16": 131, "int8-q5_0-x16": 134, "int8-q8_0-x16": 136,
+    "int8-q4_k-x16": 140, "int8-q6_k-x16": 142,
 }  # fmt: skip
 FORMATS = {"fp32": 0, "q4": 1, "q8": 2, "q8m": 3, "q4g16": 4, "q8g16": 5, "f16": 6, "bf16": 7} | COMPACT | INT8_FORMATS
 

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(not kernels.gemm.available(), reason="the GEMM l
 AUTO, AVX2, VNNI = 0, 1, 2
 PATHS = [AVX2] + ([VNNI] if "avx512_vnni" in Path("/proc/cpuinfo").read_text().split() else [])
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]
-REPACKED = [T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]  # what "gguf-int8" repacks for the tiled kernel
+REPACKED = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]  # what "gguf-int8" repacks for the tiled kernel
 BLOCK = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q5_0: (32, 22), T.Q8_0: (32, 34), T.Q4_K: (256, 144), T.Q6_K: (256, 210)}
 HALF_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q6_K: (208,)}
 # fp16 scales the random blocks draw from: ordinary ones and the extremes (largest, smallest normal, subnormal, 0)
@@ -177,15 +177,18 @@ def fmaf(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
 
 
 def canonical(x: np.ndarray, raw: np.ndarray, ggml_type: T, k: int) -> np.ndarray:
-    """Q4_K / Q6_K / Q8_0 / Q5_0 as the tiled kernel computes them, bit for bit (the order in csrc/int8_tiled.h): per
-    block the exact integer sums, then acc = fmaf(isum, da d, acc) and (Q4_K) accm = fmaf(imin, -(da dmin), accm),
-    blocks in file order; y = acc + accm, all fp32."""
+    """Every repacked type as the tiled kernel computes it, bit for bit (the order in csrc/int8_tiled.h): per block
+    the exact integer sums, then acc = fmaf(isum, da d, acc) and (Q4_K) accm = fmaf(imin, -(da dmin), accm) or
+    (Q4_1) accm = fmaf(m, sa, accm), blocks in file order; y = acc + accm, all fp32."""
     m, n = len(x), len(raw)
     if BLOCK[ggml_type][0] == 32:
-        q, d, _ = quantise_q8_0(x)
-        codes, wd, _ = legacy_codes(ggml_type, raw.reshape(n, k // 32, -1))
+        q, d, sa = quantise_q8_0(x)
+        codes, wd, wm = legacy_codes(ggml_type, raw.reshape(n, k // 32, -1))
         isum = np.einsum("mbg,nbg->mnb", q.reshape(m, -1, 32).astype(np.int64), codes.astype(np.int64))
-        return _fused(isum, d[:, None] * wd[None], np.zeros_like(isum), np.zeros((m, n, k // 32), np.float32))
+        if wm is None:
+            return _fused(isum, d[:, None] * wd[None], np.zeros_like(isum), np.zeros((m, n, k // 32), np.float32))
+        # Q4_1: codes unsigned, accm = fmaf(m, sa, accm)
+        return _fused(isum, d[:, None] * wd[None], np.broadcast_to(wm[None], isum.shape), sa[:, None])
     w = raw.reshape(n, k // 256, -1)
     q, d, bsum = quantise_q8_k(x)
     q = q.astype(np.int64)
@@ -203,7 +206,8 @@ def canonical(x: np.ndarray, raw: np.ndarray, ggml_type: T, k: int) -> np.ndarra
 
 def _fused(isum: np.ndarray, scale: np.ndarray, imin: np.ndarray, min_scale: np.ndarray) -> np.ndarray:
     """The canonical float steps over blocks [M, N, B] in file order: exact int32 sums, fp32 scales (products
-    rounded as the kernel's), acc and accm fused once a block, added at the end."""
+    rounded as the kernel's), acc and accm fused once a block, added at the end. imin: Q4_K's integer min sums,
+    or Q4_1's fp32 m."""
     assert np.abs(isum).max(initial=0) < 2**31  # int32 in the kernel
     acc = accm = np.zeros(isum.shape[:2], np.float32)
     for i in range(isum.shape[-1]):

@@ -126,7 +126,7 @@ def test_the_legacy_types_with_llamas_interleaved_rows(tmp_path, monkeypatch):
     path = save_tiny_gguf(
         tmp_path / "legacy.gguf", T.Q4_1, part_types={"attn_v": T.Q5_0, "ffn_down": T.Q8_0, "ffn_up": T.Q4_0}
     )
-    _compare(path, {"int8-q4_1", "int8-q5_0-x16", "int8-q8_0-x16", "int8-q4_0"}, monkeypatch)
+    _compare(path, {"int8-q4_1-x16", "int8-q5_0-x16", "int8-q8_0-x16", "int8-q4_0-x16"}, monkeypatch)
 
 
 def test_a_type_without_an_int8_kernel_stays_exact_and_says_so(tmp_path, caplog):
