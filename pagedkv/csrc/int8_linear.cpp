@@ -43,7 +43,7 @@
 // Every type also comes repacked in groups of 16 outputs (format kRepackedBase + the type id; int8_repack.h,
 // built by the int8_repack op), which is how "gguf-int8" loads them: their tiled kernel (int8_tiled.h) puts 16
 // outputs in the lanes of a vector and has no per-block horizontal sum -- its own canonical order is stated there.
-// The file-order kernel stays, for comparison (benchmarks/int8_linear.py) and as the reference of its tests.
+// The file-order kernel stays for comparison (benchmarks/int8_linear.py), still tested on every type.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
