@@ -15,6 +15,7 @@ import os
 import random
 import shutil
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -273,6 +274,16 @@ def test_a_fuzzed_kv_cache_dir_never_fails_hangs_nor_loses_a_file(
     for name in rng.sample(sorted(names), k=len(names) // 2):
         planted[name] = rng.choice(kinds)
         _plant(own / name, planted[name], rng, fingerprint, names[name], outside)
+    # Which random plants are ever read depends on the order of the lookups and evictions (a lookup stops at a
+    # prompt's first missing block; an oversized plant, 1 GiB by its size, makes the tier evict every file older
+    # than itself), so one plant is made certain to be read and refused: hostile bytes under the first block of
+    # every prompt, the first thing the first prompt looks up, and the most recently used file.
+    first = next(name for name, key in names.items() if key == _keys(prompts[0])[0])
+    if planted.get(first) == "directory":
+        (own / first).rmdir()
+    planted[first] = "bytes"
+    _plant(own / first, "bytes", rng, fingerprint, names[first], outside)
+    os.utime(own / first, ns=(time.time_ns() + 10**9,) * 2)
     for memo in (kv_dir / "models").iterdir():  # the model's remembered digest: not waited on either
         memo.unlink()
         os.mkfifo(memo)
