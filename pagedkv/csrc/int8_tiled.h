@@ -265,6 +265,17 @@ void q6_k_tile(const Tiled& p, int64_t group, int64_t r0) {
 
 // ---- AVX-512 + VNNI: a group in one vector ----------------------------------------------------------------------
 
+// A block's weights are asked for kPrefetchBlocks blocks ahead (software prefetch, a cache line at a time): a
+// one-row step streams every weight once from memory, and the hardware prefetcher alone left the 1.1B Q4_K_M
+// model's one request at 0.91-1.01x llama.cpp; 4 blocks ahead (~9 KiB for Q4_K) gave 1.11-1.38x, alternating
+// runs of benchmarks/int8_decode.py (Zen 5, 2 threads). A prefetch past the weights' end does not fault.
+constexpr int64_t kPrefetchBlocks = 4;
+
+INT8_TILED_AVX512 inline void prefetch_block(const uint8_t* g, int64_t bytes) {
+  for (int64_t at = 0; at < bytes; at += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(g + kPrefetchBlocks * bytes + at), _MM_HINT_T0);
+}
+
 INT8_TILED_AVX512 inline __m512i load512(const uint8_t* p) { return _mm512_loadu_si512(p); }
 
 INT8_TILED_AVX512 inline void store16(float* y, __m512 v, int64_t count) {
@@ -282,6 +293,7 @@ INT8_TILED_AVX512 void q4_k_tile_512(const Tiled& p, int64_t group, int64_t r0) 
   for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < p.blocks; ++i) {
     const uint8_t* g = base + i * L::kBytes;
+    prefetch_block(g, L::kBytes);
     __m512i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {  // sub-block j: the low nibbles of qs run j / 2 (j even), else the high ones
@@ -331,6 +343,7 @@ INT8_TILED_AVX512 void q6_k_tile_512(const Tiled& p, int64_t group, int64_t r0) 
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < p.blocks; ++i) {
     const uint8_t* g = base + i * L::kBytes;
+    prefetch_block(g, L::kBytes);
     __m512i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
     for (int h = 0; h < 2; ++h) {
@@ -393,6 +406,7 @@ INT8_TILED_AVX512 void legacy_tile_512(const Tiled& p, int64_t group, int64_t r0
   for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < p.blocks; ++i) {
     const uint8_t* g = base + i * L::kBytes;
+    prefetch_block(g, L::kBytes);
     __m512i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
