@@ -43,7 +43,7 @@ CSRC = "pagedkv/csrc"
 PORTABLE = [f"{CSRC}/{name}" for name in ("paged_attention.cpp", "rms_norm.cpp", "pointwise.cpp",
                                           "decoder_stack.cpp", "gguf_blocks.cpp")]
 GEMM = [f"{CSRC}/panel_linear.cpp", f"{CSRC}/int8_linear.cpp"]
-HEADERS = [f"{CSRC}/{name}" for name in ("simd.h", "int8_avx512.h", "int8_blocks.h", "int8_quantise.h", "int8_repack.h", "int8_tiled.h")]
+HEADERS = [f"{CSRC}/{name}" for name in ("simd.h", "int8_quantise.h", "int8_repack.h", "int8_tiled.h")]
 # The JIT build's flags (pagedkv/kernels.py) with -march fixed per variant; -g0 against the build
 # environment's -g (debug info would make the libraries several times larger).
 CFLAGS = ["-O3", "-mtune=generic", "-fopenmp", "-g0"]

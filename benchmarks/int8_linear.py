@@ -1,8 +1,7 @@
-"""One linear layer, exact panel GEMM ("gguf") against the int8-activation GEMMs ("gguf-int8"), per type.
+"""One linear layer, exact panel GEMM ("gguf") against the int8-activation GEMM ("gguf-int8"), per type.
 
-"file" is the kernel that reads the GGUF blocks in place (the path of the types not repacked, and the repacked
-types' before they were); "tiled" the kernel on the repacked groups of 16 outputs that "gguf-int8" loads for the
-types in ``int8_linear.REPACKED``.
+"tiled" is the kernel on the repacked groups of 16 outputs that "gguf-int8" loads every type of
+``int8_linear.REPACKED`` as.
 
     python benchmarks/int8_linear.py [--threads 1] [--rounds 3] [--types Q8_0,Q5_0]
 
@@ -27,7 +26,6 @@ from gguf import GGML_QUANT_SIZES  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from pagedkv.model import gguf_blocks, int8_linear, panel  # noqa: E402
-from pagedkv.model.panel import INT8_FORMAT_BASE, PanelWeight  # noqa: E402
 
 # where each block's fp16 scales sit
 HALVES_AT = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q6_K: (208,)}
@@ -60,21 +58,15 @@ def main() -> None:
     wanted = {name.strip().upper() for name in args.types.split(",") if name.strip()}
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
-    print(
-        f"{'type':6}{'N x K':>13}{'rows':>6}{'exact us':>11}{'file us':>10}{'tiled us':>10}"
-        f"{'exact/file':>12}{'exact/tiled':>13}"
-    )
+    print(f"{'type':6}{'N x K':>13}{'rows':>6}{'exact us':>11}{'tiled us':>10}{'exact/tiled':>13}")
     for ggml_type, n, k in SHAPES:
         if wanted and ggml_type.name not in wanted:
             continue
         raw = random_blocks(ggml_type, n, k, rng)
         weights = {
             "exact": gguf_blocks.pack(raw, int(ggml_type), n, k),
-            "file": PanelWeight(raw, n, k, f"int8-{ggml_type.name.lower()}"),
+            "tiled": int8_linear.repack(raw, n, k, ggml_type),
         }
-        assert panel.FORMATS[weights["file"].format] == INT8_FORMAT_BASE + int(ggml_type)
-        if int(ggml_type) in int8_linear.REPACKED:
-            weights["tiled"] = int8_linear.repack(raw, n, k, ggml_type)
         for rows in (1, 32):
             x = torch.randn(rows, k)
             repeats = 20 if rows == 1 else 5
@@ -83,10 +75,9 @@ def main() -> None:
                 for name, w in weights.items():
                     times[name].append(cpu_us(lambda x=x, w=w: panel.panel_linear(x, w), repeats))
             best = {name: min(values) for name, values in times.items()}
-            tiled = best.get("tiled", float("nan"))
             print(
-                f"{ggml_type.name:6}{f'{n} x {k}':>13}{rows:>6}{best['exact']:>11.0f}{best['file']:>10.0f}"
-                f"{tiled:>10.0f}{best['exact'] / best['file']:>12.2f}{best['exact'] / tiled:>13.2f}",
+                f"{ggml_type.name:6}{f'{n} x {k}':>13}{rows:>6}{best['exact']:>11.0f}{best['tiled']:>10.0f}"
+                f"{best['exact'] / best['tiled']:>13.2f}",
                 flush=True,
             )
 

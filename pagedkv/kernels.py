@@ -279,7 +279,7 @@ portable = CompiledLibrary(
 gemm = CompiledLibrary(
     "pagedkv_gemm",
     [_CSRC / "panel_linear.cpp", _CSRC / "int8_linear.cpp"],
-    [_CSRC / name for name in ("int8_avx512.h", "int8_blocks.h", "int8_quantise.h", "int8_repack.h", "int8_tiled.h")],
+    [_CSRC / name for name in ("int8_quantise.h", "int8_repack.h", "int8_tiled.h")],
     what="panel GEMM ops (AVX2 + FMA)",
     fallback=f"the linear layers run on torch's GEMM, {GEMM_SLOWER}",
 )

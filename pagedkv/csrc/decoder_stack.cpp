@@ -57,7 +57,7 @@ struct Ops {
   c10::TypedOperatorHandle<RmsNorm> rms_norm = find_op<RmsNorm>("pagedkv::rms_norm");
   c10::TypedOperatorHandle<PanelLinear> panel_linear = find_op<PanelLinear>("pagedkv::panel_linear");
   c10::TypedOperatorHandle<PanelLinearInto> panel_linear_into = find_op<PanelLinearInto>("pagedkv::panel_linear_into");
-  // weight_format "gguf-int8": the file's blocks, dotted with int8 activations (int8_linear.cpp)
+  // weight_format "gguf-int8": the file's blocks repacked, dotted with int8 activations (int8_linear.cpp)
   c10::TypedOperatorHandle<PanelLinear> int8_linear = find_op<PanelLinear>("pagedkv::int8_linear");
   c10::TypedOperatorHandle<PanelLinearInto> int8_linear_into = find_op<PanelLinearInto>("pagedkv::int8_linear_into");
   c10::TypedOperatorHandle<Rope> rope_ = find_op<Rope>("pagedkv::rope_");
@@ -67,8 +67,9 @@ struct Ops {
 };
 
 // One part of a packed weight (its rows of the output) and what the GEMM needs to read it. Formats from
-// kInt8FormatBase on are a GGUF file's blocks for the int8-activation GEMM, the others panel formats.
-constexpr int64_t kInt8FormatBase = 64;
+// kInt8FormatBase on (panel.INT8_REPACKED_BASE) are a GGUF file's blocks repacked for the int8-activation GEMM, the
+// others panel formats.
+constexpr int64_t kInt8FormatBase = 128;
 
 struct Part {
   Tensor packed;

@@ -18,7 +18,7 @@ and the file's pages are let go after each layer, so a process holds the repacke
 643 MiB of repacked weights from a 684 MiB Q4_K_M file, peak RSS below the exact format's;
 docs/int8-activations.md).
 
-Types with an int8 kernel: :data:`TYPES` (those of a Q4_K_M file, and Q4_0 / Q4_1). A tensor of any other type
+Types with an int8 kernel: :data:`REPACKED` (those of a Q4_K_M file, and Q4_0 / Q4_1). A tensor of any other type
 stays on the exact path (packed for the panel GEMM), with a log line naming it.
 """
 
@@ -32,14 +32,12 @@ from torch import Tensor
 
 from pagedkv import kernels
 from pagedkv.model.gguf_file import GGUFTensor
-from pagedkv.model.panel import INT8_FORMAT_BASE, INT8_FORMATS, INT8_REPACKED_BASE, PanelWeight
+from pagedkv.model.panel import INT8_FORMATS, INT8_REPACKED_BASE, PanelWeight
 
 logger = logging.getLogger(__name__)
 
 WEIGHT_FORMAT = "gguf-int8"
-TYPES = {int(t): f"int8-{t.name.lower()}" for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K)}
-assert all(INT8_FORMATS[name] == INT8_FORMAT_BASE + t for t, name in TYPES.items())
-# every type is repacked at load for the tiled kernel (the file-order kernel stays for comparison)
+# the types with an int8 kernel, each repacked at load for it: ggml type -> format name
 REPACKED = {int(t): f"int8-{t.name.lower()}-x16" for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K)}
 assert all(INT8_FORMATS[name] == INT8_REPACKED_BASE + t for t, name in REPACKED.items())
 
@@ -57,7 +55,7 @@ def weight(tensor: GGUFTensor) -> PanelWeight | None:
 
 
 def repack(blocks: Tensor, n: int, k: int, ggml_type: int) -> PanelWeight:
-    """``blocks`` of a type of :data:`TYPES` (the file's bytes, ``[n, row bytes]``) repacked in groups of 16
+    """``blocks`` of a type of :data:`REPACKED` (the file's bytes, ``[n, row bytes]``) repacked in groups of 16
     outputs for the tiled kernel (``csrc/int8_repack.h``): one pass in C++, the file's bytes read once."""
     kernels.gemm.require("gguf-int8 repacks its weights with them")
     fmt = REPACKED[int(ggml_type)]

@@ -36,13 +36,10 @@ from pagedkv import kernel_ops, kernels
 
 PANEL = 16
 COMPACT = {"q4k": 8, "q6k": 9, "q5": 10, "q5k": 11, "q2k": 12, "q3k": 13}
-# A GGUF file's own blocks for the int8-activation GEMM (``csrc/int8_linear.cpp``, weight_format "gguf-int8"):
-# code INT8_FORMAT_BASE + the ggml type id; the "packed" tensor is the blocks, row-major, as the file holds them.
-# Every type is repacked at load in groups of 16 outputs (``csrc/int8_repack.h``): code
-# INT8_REPACKED_BASE + the ggml type.
-INT8_FORMAT_BASE, INT8_REPACKED_BASE = 64, 128
+# A GGUF file's blocks for the int8-activation GEMM (``csrc/int8_linear.cpp``, weight_format "gguf-int8"),
+# repacked at load in groups of 16 outputs (``csrc/int8_repack.h``): code INT8_REPACKED_BASE + the ggml type id.
+INT8_REPACKED_BASE = 128
 INT8_FORMATS = {
-    "int8-q4_0": 66, "int8-q4_1": 67, "int8-q5_0": 70, "int8-q8_0": 72, "int8-q4_k": 76, "int8-q6_k": 78,
     "int8-q4_0-x16": 130, "int8-q4_1-x16": 131, "int8-q5_0-x16": 134, "int8-q8_0-x16": 136,
     "int8-q4_k-x16": 140, "int8-q6_k-x16": 142,
 }  # fmt: skip
@@ -153,15 +150,13 @@ def rows(weight: PanelWeight, ids: Tensor) -> Tensor:
     """Rows ``ids`` of the weight ``[n, k]`` as fp32 ``[len(ids), k]``, decoded from the packed form in C++: bit
     for bit the weights that were packed. What the embedding lookup reads when a tied LM head's panel holds the
     only copy (measured: 4.6 us for one id, 12 us for 32, 1.5 ms for a 2,048-token chunk). An int8-activation
-    weight is the file's blocks (Q4_K / Q6_K: repacked, and unpacked back for the rows asked for): its rows are
-    de-quantised from them, as an untied embedding's are."""
+    weight is the file's blocks repacked in groups of 16 outputs: the rows asked for are unpacked back to the
+    file's blocks and de-quantised from them, as an untied embedding's are."""
     if weight.format in INT8_FORMATS:
         kernels.portable.require("GGUF blocks are read by them")
-        code, ids, blocks = INT8_FORMATS[weight.format], ids.to(torch.int64).contiguous(), weight.packed
-        if code >= INT8_REPACKED_BASE:  # the rows' file blocks back from the groups, then de-quantised alike
-            blocks = torch.ops.pagedkv.int8_repacked_blocks(weight.packed, ids, weight.n, weight.k, code)
-            ids, code = torch.arange(len(ids)), code - INT8_REPACKED_BASE + INT8_FORMAT_BASE
-        return torch.ops.pagedkv.gguf_rows(blocks, code - INT8_FORMAT_BASE, ids, weight.k)
+        code, ids = INT8_FORMATS[weight.format], ids.to(torch.int64).contiguous()
+        blocks = torch.ops.pagedkv.int8_repacked_blocks(weight.packed, ids, weight.n, weight.k, code)
+        return torch.ops.pagedkv.gguf_rows(blocks, code - INT8_REPACKED_BASE, torch.arange(len(ids)), weight.k)
     return kernel_ops.panel_rows(weight.packed, ids.to(torch.int64), weight.n, weight.k, FORMATS[weight.format])
 
 

@@ -54,13 +54,11 @@ def _score(llm: LLM, sequences: list[list[int]]) -> list[tuple[int, float, list[
 
 
 def _reference_linear(x: torch.Tensor, weight: panel.PanelWeight) -> torch.Tensor:
-    code, blocks = panel.INT8_FORMATS[weight.format], weight.packed
-    if code >= panel.INT8_REPACKED_BASE:  # repacked in groups of 16: the file's blocks back from them
-        blocks = torch.ops.pagedkv.int8_repacked_blocks(blocks, torch.arange(weight.n), weight.n, weight.k, code)
-        code += panel.INT8_FORMAT_BASE - panel.INT8_REPACKED_BASE
+    code = panel.INT8_FORMATS[weight.format]  # repacked in groups of 16: the file's blocks back from them
+    blocks = torch.ops.pagedkv.int8_repacked_blocks(weight.packed, torch.arange(weight.n), weight.n, weight.k, code)
     if x.shape[0] == 0:
         return x.new_zeros(0, weight.n)
-    ggml_type = T(code - panel.INT8_FORMAT_BASE)
+    ggml_type = T(code - panel.INT8_REPACKED_BASE)
     return torch.from_numpy(reference(x.numpy(), blocks.numpy(), ggml_type, weight.k)[0].astype(np.float32))
 
 
