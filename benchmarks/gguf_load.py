@@ -97,7 +97,7 @@ def child_pagedkv(model: str, threads: int, decode: int, weight_format: str = "g
 
         run(4)  # warm-up
         measured["decode_tok_s"] = round(decode / (run(decode + 1) - run(1)), 1)
-        # gguf-int8 reads the mapped file in place: its pages come in as the first steps touch them
+        # again after decoding: the peak then counts the steps' scratch (activations, logits) as well as the weights
         measured |= _memory()
     return measured, llm
 
