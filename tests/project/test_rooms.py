@@ -34,7 +34,7 @@ ROOMS: list[tuple[str, set[str]]] = [
     ("parallel", {"parallel"}),
     ("model", {"model"}),
     ("engine", {"engine"}),
-    ("offline", {"entrypoints.llm", "entrypoints.chat"}),
+    ("offline", {"entrypoints.llm"}),
     ("server", {"entrypoints.server"}),
     ("server APIs", {"entrypoints.server.ollama", "entrypoints.server.responses"}),
     ("server app", {"entrypoints.server.openai_server"}),
