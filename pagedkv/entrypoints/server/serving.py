@@ -39,8 +39,6 @@ from pagedkv.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-DONE = "data: [DONE]\n\n"
-
 
 class ServingContext:
     """The engine, the name clients must use for it, the server's limits, the model's tool format and the
@@ -146,18 +144,36 @@ class EventStreamResponse(StreamingResponse):
     """
 
     media_type = "text/event-stream"
+    done = "data: [DONE]\n\n"  # after the last event, as OpenAI's streams end ("": nothing)
 
     def __init__(self, stream: RequestStream, events: AsyncIterator, stall_timeout_s: float) -> None:
         super().__init__(
-            self.encode(stream, events), media_type=self.media_type, background=BackgroundTask(stream.abort)
+            self._body(stream, events), media_type=self.media_type, background=BackgroundTask(stream.abort)
         )
         self.stream = stream
         self.stall_timeout_s = stall_timeout_s
 
     @staticmethod
-    def encode(stream: RequestStream, events: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
-        """The body's text; a subclass streams another format (Ollama's NDJSON) with the same guards."""
-        return _sse(stream, events)
+    def line(event: BaseModel) -> str:
+        """One event's text; a subclass streams another format (Ollama's NDJSON, the Responses API's typed
+        events) with the same guards."""
+        return f"data: {event.model_dump_json()}\n\n"
+
+    @staticmethod
+    def error_line(error: APIError) -> str:
+        """What the stream says when the engine fails the request mid-stream."""
+        return f"data: {json.dumps(error.body())}\n\n"
+
+    async def _body(self, stream: RequestStream, events: AsyncIterator) -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield self.line(event)
+        except (EngineStopped, RequestFailed) as exc:
+            yield self.error_line(engine_error(exc))
+        finally:
+            stream.abort()
+        if self.done:
+            yield self.done
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def bounded_send(message: Message) -> None:
@@ -174,17 +190,6 @@ class EventStreamResponse(StreamingResponse):
             )
             self.stream.abort()
             await self.body_iterator.aclose()  # now, not whenever the suspended generator is collected
-
-
-async def _sse(stream: RequestStream, events: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
-    try:
-        async for event in events:
-            yield f"data: {event.model_dump_json()}\n\n"
-    except (EngineStopped, RequestFailed) as exc:
-        yield f"data: {json.dumps(engine_error(exc).body())}\n\n"
-    finally:
-        stream.abort()
-    yield DONE
 
 
 def fresh_samples(index: int, output: RequestOutput, reported: set[tuple[int, int]]) -> list[CompletionOutput]:

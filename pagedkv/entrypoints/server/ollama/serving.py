@@ -19,12 +19,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pagedkv.engine.async_client import EngineStopped, RequestFailed, RequestStream
+from pagedkv.engine.async_client import RequestStream
 from pagedkv.engine.request import CompletionOutput, RequestOutput
 from pagedkv.entrypoints.server.ollama.protocol import OllamaChatRequest, OllamaGenerateRequest
 from pagedkv.entrypoints.server.ollama.tools import ollama_tool_calls
 from pagedkv.entrypoints.server.protocol import APIError, echoed
-from pagedkv.entrypoints.server.serving import EventStreamResponse, ServingContext, chat_logprobs, collect, engine_error
+from pagedkv.entrypoints.server.serving import EventStreamResponse, ServingContext, chat_logprobs, collect
 from pagedkv.entrypoints.server.tool_calls import ToolPlan
 
 NS = 1_000_000_000
@@ -153,17 +153,12 @@ class NDJSONResponse(EventStreamResponse):
     """Ollama's stream, one JSON object per line, with the guards of the OpenAI routes' event streams."""
 
     media_type = "application/x-ndjson"
+    done = ""
 
     @staticmethod
-    def encode(stream: RequestStream, lines: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
-        return _ndjson(stream, lines)
+    def line(line: dict[str, Any]) -> str:
+        return json.dumps(line) + "\n"
 
-
-async def _ndjson(stream: RequestStream, lines: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
-    try:
-        async for line in lines:
-            yield json.dumps(line) + "\n"
-    except (EngineStopped, RequestFailed) as exc:
-        yield json.dumps({"error": engine_error(exc).message}) + "\n"
-    finally:
-        stream.abort()
+    @staticmethod
+    def error_line(error: APIError) -> str:
+        return json.dumps({"error": error.message}) + "\n"

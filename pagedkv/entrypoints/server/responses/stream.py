@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from pagedkv.engine.async_client import EngineStopped, RequestFailed
-from pagedkv.engine.request_stream import RequestStream
 from pagedkv.entrypoints.server.reasoning import ReasoningSplitter, Split
 from pagedkv.entrypoints.server.responses.objects import (
     EventCounter,
@@ -41,20 +40,14 @@ Event = dict[str, Any]
 
 
 class TypedEventStream(EventStreamResponse):
-    """The chat route's event stream (abort on disconnect, the stall timeout), in the Responses' format."""
+    """The chat route's event stream (abort on disconnect, the stall timeout), in the Responses' format: each
+    event as ``event:`` and ``data:`` lines. ``response_events`` itself ends a failed stream."""
+
+    done = ""
 
     @staticmethod
-    def encode(stream: RequestStream, events: AsyncIterator[Event]) -> AsyncIterator[str]:
-        return typed_sse(stream, events)
-
-
-async def typed_sse(stream: RequestStream, events: AsyncIterator[Event]) -> AsyncIterator[str]:
-    """Each event as ``event:`` and ``data:`` lines; the request is aborted if the body ends early."""
-    try:
-        async for event in events:
-            yield f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
-    finally:
-        stream.abort()
+    def line(event: Event) -> str:
+        return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
 async def response_events(turn: Turn) -> AsyncIterator[Event]:
