@@ -19,23 +19,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
 
 from pagedkv.entrypoints.server.protocol import APIError, ChatMessage, prompt_shape, sampling_params, spec_message
-from pagedkv.entrypoints.server.request_fields import unhonoured_field
+from pagedkv.entrypoints.server.request_fields import refuse_unhonoured
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.structured import StructuredOutputsParams
 
-UNSUPPORTED_FIELDS = (
-    "functions",
-    "function_call",
-    "logit_bias",
-    "suffix",
-    "best_of",
-    "audio",
-    "prediction",
-    "allowed_token_ids",
-    "bad_words",
-    "logits_processors",
-    "truncate_prompt_tokens",
-)
 SAMPLING_FIELDS = (
     "n",
     "temperature",
@@ -93,16 +80,7 @@ class _SamplingRequest(BaseModel):
     cache_salt: str | None = None
 
     def check_supported(self) -> None:
-        for name in UNSUPPORTED_FIELDS:
-            value = (self.model_extra or {}).get(name)
-            unset = value is None or value is False or value == [] or value == {}
-            if not unset and not (name == "best_of" and value == 1):
-                raise APIError(
-                    400, f"{name} is not supported by this server: remove it", param=name, code="unsupported_parameter"
-                )
-        unhonoured = unhonoured_field(self.model_extra or {}, READ_EXTRAS)
-        if unhonoured is not None:
-            raise APIError(400, unhonoured[1], param=unhonoured[0], code="unsupported_parameter")
+        refuse_unhonoured(self.model_extra or {}, READ_EXTRAS)
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The SamplingParams arguments the client set; unset ones keep SamplingParams' defaults."""

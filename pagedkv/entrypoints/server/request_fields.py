@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedkv.entrypoints.server.protocol import APIError
+
 MAX_QUOTED = 100
 # Fields with no effect whatever their value: who the end user is, labels for stored completions.
 NO_EFFECT = frozenset({"user", "metadata"})
@@ -41,6 +43,18 @@ DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "guided_decoding_backend": (),
     "guided_whitespace_pattern": (),
     "request_id": (),
+    # OpenAI's and vLLM's sampling fields that pagedkv does not implement
+    "functions": (),
+    "function_call": (),
+    "logit_bias": (),
+    "suffix": (),
+    "best_of": (1,),
+    "audio": (),
+    "prediction": (),
+    "allowed_token_ids": (),
+    "bad_words": (),
+    "logits_processors": (),
+    "truncate_prompt_tokens": (),
 }
 WHY = {
     "chat_template": "give the template at server start with --chat-template FILE",
@@ -48,9 +62,9 @@ WHY = {
 }
 
 
-def unhonoured_field(extra: dict[str, Any], read: frozenset[str]) -> tuple[str, str] | None:
-    """(name, message) of the first field of ``extra`` (the body's fields the request model does not
-    declare) that the server neither reads (``read``) nor accepts at the value given; None if there is none."""
+def refuse_unhonoured(extra: dict[str, Any], read: frozenset[str]) -> None:
+    """A 400 naming the first field of ``extra`` (the body's fields the request model does not declare) that
+    the server neither reads (``read``) nor accepts at the value given."""
     for name, value in extra.items():
         if name in read or name in NO_EFFECT:
             continue
@@ -59,9 +73,10 @@ def unhonoured_field(extra: dict[str, Any], read: frozenset[str]) -> tuple[str, 
         if defaults is not None and (unset or value in defaults):
             continue
         if name in DEFAULT_ONLY:
-            return name, f"{name}={_quoted(value)} is not supported by this server: {WHY.get(name, 'remove it')}"
-        return name[:MAX_QUOTED], f"{_quoted(name)} is not a request field this server knows: remove it"
-    return None
+            message = f"{name}={_quoted(value)} is not supported by this server: {WHY.get(name, 'remove it')}"
+            raise APIError(400, message, param=name, code="unsupported_parameter")
+        message = f"{_quoted(name)} is not a request field this server knows: remove it"
+        raise APIError(400, message, param=name[:MAX_QUOTED], code="unsupported_parameter")
 
 
 def _quoted(value: Any) -> str:

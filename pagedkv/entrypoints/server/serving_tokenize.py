@@ -24,7 +24,7 @@ from starlette.requests import Request
 
 from pagedkv.engine.prompts import encode_text
 from pagedkv.entrypoints.server.protocol import APIError, ChatMessage, value_error
-from pagedkv.entrypoints.server.request_fields import unhonoured_field
+from pagedkv.entrypoints.server.request_fields import refuse_unhonoured
 from pagedkv.entrypoints.server.serving import ServingContext
 from pagedkv.entrypoints.server.tool_calls import chat_prompt
 
@@ -105,7 +105,7 @@ def add_tokenize_routes(app: FastAPI, ctx: ServingContext, bodies: BodyParser, e
     async def tokenize(request: Request) -> TokenizeResponse:
         body = await bodies.parse(request, TokenizeRequest)
         ctx.check_model(body.model)
-        _refuse_extras(body)
+        refuse_unhonoured(body.model_extra or {}, frozenset())
         job = _tokenize_job(body, ctx.native_tools)
         try:
             ids, strs = await jobs.run(job)
@@ -117,19 +117,13 @@ def add_tokenize_routes(app: FastAPI, ctx: ServingContext, bodies: BodyParser, e
     async def detokenize(request: Request) -> DetokenizeResponse:
         body = await bodies.parse(request, DetokenizeRequest)
         ctx.check_model(body.model)
-        _refuse_extras(body)
+        refuse_unhonoured(body.model_extra or {}, frozenset())
         outside = [t for t in body.tokens if not 0 <= t < vocab_size]
         if outside:
             named = ", ".join(map(str, outside[:MAX_NAMED_IDS])) + (", ..." if len(outside) > MAX_NAMED_IDS else "")
             raise APIError(400, f"tokens: {named} not in the vocabulary (ids 0 to {vocab_size - 1})", param="tokens")
         text = await jobs.run(lambda tokenizer: tokenizer.decode(body.tokens))
         return DetokenizeResponse(prompt=text)
-
-
-def _refuse_extras(body: BaseModel) -> None:
-    unhonoured = unhonoured_field(body.model_extra or {}, frozenset())
-    if unhonoured is not None:
-        raise APIError(400, unhonoured[1], param=unhonoured[0], code="unsupported_parameter")
 
 
 def _tokenize_job(body: TokenizeRequest, native_tools: bool) -> Callable[[Any], tuple[list[int], list[str] | None]]:
