@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedkv.entrypoints.server.protocol import APIError
+from pagedkv.entrypoints.server.protocol import MAX_ECHOED_CHARS, APIError, echoed
 
-MAX_QUOTED = 100
 # Fields with no effect whatever their value: who the end user is, labels for stored completions.
 NO_EFFECT = frozenset({"user", "metadata"})
 # Fields accepted at the values that ask for what the server does anyway, and null; those with no such
@@ -73,12 +72,7 @@ def refuse_unhonoured(extra: dict[str, Any], read: frozenset[str]) -> None:
         if defaults is not None and (unset or value in defaults):
             continue
         if name in DEFAULT_ONLY:
-            message = f"{name}={_quoted(value)} is not supported by this server: {WHY.get(name, 'remove it')}"
+            message = f"{name}={echoed(value)} is not supported by this server: {WHY.get(name, 'remove it')}"
             raise APIError(400, message, param=name, code="unsupported_parameter")
-        message = f"{_quoted(name)} is not a request field this server knows: remove it"
-        raise APIError(400, message, param=name[:MAX_QUOTED], code="unsupported_parameter")
-
-
-def _quoted(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= MAX_QUOTED else f"{text[:MAX_QUOTED]}..."
+        message = f"{echoed(name)} is not a request field this server knows: remove it"
+        raise APIError(400, message, param=name[:MAX_ECHOED_CHARS], code="unsupported_parameter")
