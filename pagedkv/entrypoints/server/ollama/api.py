@@ -35,6 +35,7 @@ from pagedkv.entrypoints.server.ollama.protocol import (
     OllamaChatRequest,
     OllamaGenerateRequest,
     OllamaShowRequest,
+    is_ollama_path,
 )
 from pagedkv.entrypoints.server.ollama.serving import check_model, create_ollama_response
 from pagedkv.entrypoints.server.protocol import APIError
@@ -49,16 +50,6 @@ if TYPE_CHECKING:
 OLLAMA_API_VERSION = "0.12.6"
 # /api/ps: the model never unloads (Ollama reports a far-future time for keep_alive < 0 too).
 NEVER_EXPIRES = "9999-12-31T23:59:59Z"
-ROUTES = (
-    "/api/chat",
-    "/api/generate",
-    "/api/embed",
-    "/api/embeddings",
-    "/api/tags",
-    "/api/show",
-    "/api/ps",
-    "/api/version",
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +205,8 @@ def add_ollama_routes(app: FastAPI, ctx: ServingContext, bodies: BodyParser, eng
         body = await bodies.parse(request, OllamaEmbeddingsRequest)
         return await ollama_embeddings(ctx, body, request)
 
+    served = ", ".join(r.path for r in app.routes if is_ollama_path(r.path))  # the routes above
+
     @app.api_route("/api/{route:path}", methods=["GET", "POST", "PUT", "DELETE", "HEAD"])
     async def ollama_unknown(request: Request, route: str) -> Response:
-        served = ", ".join(ROUTES)
         raise APIError(404, f"{request.method} /api/{route[:100]} is not served here; pagedkv serves {served}")
