@@ -19,12 +19,10 @@ from starlette.responses import JSONResponse
 
 from pagedkv.engine.prompts import EnginePrompt
 from pagedkv.entrypoints.server.ollama.protocol import refuse_unknown
-from pagedkv.entrypoints.server.ollama.serving import check_model
+from pagedkv.entrypoints.server.ollama.serving import NS, check_model
 from pagedkv.entrypoints.server.protocol import APIError
 from pagedkv.entrypoints.server.serving import ServingContext
 from pagedkv.entrypoints.server.serving_embeddings import embed
-
-NS = 1_000_000_000
 
 
 class _OllamaEmbeddingRequest(BaseModel):
