@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_serializer
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 
 class PromptTokensDetails(BaseModel):
@@ -125,17 +125,10 @@ class ChatDelta(BaseModel):
     tool_calls: list[DeltaToolCall] | None = None
     reasoning_content: str | None = None
 
-    @model_serializer
-    def _only_set(self) -> dict[str, Any]:
+    @model_serializer(mode="wrap")
+    def _only_set(self, serialize: SerializerFunctionWrapHandler) -> dict[str, Any]:
         """A delta carries only what changed, as OpenAI's do: no ``"role": null`` on every chunk."""
-        calls = None if self.tool_calls is None else [c.model_dump() for c in self.tool_calls]
-        fields = (
-            ("role", self.role),
-            ("content", self.content),
-            ("tool_calls", calls),
-            ("reasoning_content", self.reasoning_content),
-        )
-        return {k: v for k, v in fields if v is not None}
+        return {k: v for k, v in serialize(self).items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):
