@@ -182,7 +182,7 @@ class ServerLimits(CliLimits):
         values = count_json_values(raw, limit)
         if values > limit:
             message = f"the body holds more than {limit} JSON values (at least {values})"
-            raise _limit_body(message, "max_json_values")
+            raise _limit(None, message, "max_json_values", status=413)  # no one field exceeds it: as for the bytes
 
     def check_shape(self, body: Any) -> None:
         """Depth and list lengths of the whole parsed body, iteratively (a deep body cannot overflow the stack).
@@ -268,12 +268,6 @@ def _text_chars(value: Any) -> int:
     return total
 
 
-def _limit_body(message: str, option: str) -> APIError:
-    """A limit on the whole body, which no one field exceeds: 413, as for the body's bytes."""
+def _limit(param: str | None, message: str, option: str, status: int = 400) -> APIError:
     flag = "--" + option.replace("_", "-")
-    return APIError(413, f"{message}: this server's limit ({flag})", code="limit_exceeded")
-
-
-def _limit(param: str, message: str, option: str) -> APIError:
-    flag = "--" + option.replace("_", "-")
-    return APIError(400, f"{message}: this server's limit ({flag})", param=param, code="limit_exceeded")
+    return APIError(status, f"{message}: this server's limit ({flag})", param=param, code="limit_exceeded")
