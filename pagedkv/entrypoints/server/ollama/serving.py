@@ -66,8 +66,8 @@ async def create_ollama_response(
     chat = isinstance(body, OllamaChatRequest)
     tools = body.tool_plan(ctx.native_tools)
     prompt = body.engine_prompt(tools, ctx.native_tools)
-    if prompt is None:
-        return _loaded(ctx, chat)  # Ollama's way to load a model: ours is loaded already
+    if prompt is None:  # Ollama's way to load a model: ours is loaded already
+        return JSONResponse(_piece(ctx, chat, "") | {"done": True, "done_reason": "load"})
     tool_grammar = tools.structured_outputs() if tools is not None else None
     params = body.sampling_params(max_model_len, tool_grammar)
     renames = body.renames(tool_grammar)
@@ -78,10 +78,6 @@ async def create_ollama_response(
     (output,) = await collect(stream, request)
     answer = _answer(ctx, chat, output.text, tools) | _logprobs(ctx, output.outputs[0], delta=False)
     return JSONResponse(answer | _final_fields(stream, output, started))
-
-
-def _loaded(ctx: ServingContext, chat: bool) -> JSONResponse:
-    return JSONResponse(_piece(ctx, chat, "") | {"done": True, "done_reason": "load"})
 
 
 def _piece(ctx: ServingContext, chat: bool, text: str) -> dict[str, Any]:
