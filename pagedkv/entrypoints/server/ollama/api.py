@@ -16,7 +16,6 @@ import hashlib
 import math
 from collections import Counter
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +36,7 @@ from pagedkv.entrypoints.server.ollama.protocol import (
     OllamaShowRequest,
     is_ollama_path,
 )
-from pagedkv.entrypoints.server.ollama.serving import check_model, create_ollama_response
+from pagedkv.entrypoints.server.ollama.serving import check_model, create_ollama_response, rfc3339
 from pagedkv.entrypoints.server.protocol import APIError
 from pagedkv.entrypoints.server.serving import ServingContext
 from pagedkv.model.gguf_file import GGUFFile, split_files
@@ -123,7 +122,7 @@ def model_facts(engine: LLMEngine, name: str) -> ModelFacts:
         name=name,
         size=size,
         digest=digest.hexdigest(),
-        modified_at=datetime.fromtimestamp(modified, UTC).isoformat().replace("+00:00", "Z"),
+        modified_at=rfc3339(modified),
         details=details,
         model_info=info,
         template=getattr(engine.tokenizer, "chat_template", None) or "",

@@ -31,9 +31,9 @@ NS = 1_000_000_000
 OllamaRequest = OllamaChatRequest | OllamaGenerateRequest
 
 
-def created_at() -> str:
+def rfc3339(timestamp: float) -> str:
     """Ollama's timestamps: RFC 3339 in UTC."""
-    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+    return datetime.fromtimestamp(timestamp, UTC).isoformat().replace("+00:00", "Z")
 
 
 def check_model(ctx: ServingContext, model: str) -> None:
@@ -82,7 +82,7 @@ async def create_ollama_response(
 
 def _piece(ctx: ServingContext, chat: bool, text: str) -> dict[str, Any]:
     """One response object's head: the model, the time and this piece of the answer."""
-    head = {"model": ctx.model_name, "created_at": created_at()}
+    head = {"model": ctx.model_name, "created_at": rfc3339(time.time())}
     if chat:
         return head | {"message": {"role": "assistant", "content": text}, "done": False}
     return head | {"response": text, "done": False}
