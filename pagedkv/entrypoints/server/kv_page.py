@@ -21,7 +21,6 @@ import hmac
 import json
 import logging
 import time
-from functools import cache
 from importlib import resources
 from typing import TYPE_CHECKING
 
@@ -48,17 +47,13 @@ NO_STORE = {"Cache-Control": "no-store"}
 logger = logging.getLogger(__name__)
 
 
-@cache
-def page_html() -> str:
-    return resources.files("pagedkv.entrypoints.server").joinpath("kv_page.html").read_text(encoding="utf-8")
-
-
 def add_kv_routes(app: FastAPI, engine: AsyncEngine) -> None:
     kv_json_body = KVJsonCache(engine)
+    page = resources.files("pagedkv.entrypoints.server").joinpath("kv_page.html").read_text(encoding="utf-8")
 
     @app.get("/kv", include_in_schema=False)
     async def kv_page() -> HTMLResponse:
-        return HTMLResponse(page_html(), headers={**NO_STORE, "Content-Security-Policy": CONTENT_SECURITY_POLICY})
+        return HTMLResponse(page, headers={**NO_STORE, "Content-Security-Policy": CONTENT_SECURITY_POLICY})
 
     @app.get("/kv.json")
     async def kv_json() -> Response:
