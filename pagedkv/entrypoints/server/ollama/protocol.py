@@ -75,12 +75,12 @@ def refuse_unknown(model: BaseModel, where: str) -> None:
         raise APIError(400, f"{echoed(name)} is not a field this server knows: remove it", param=param)
 
 
-def _refuse_set(request: BaseModel, names: tuple[str, ...], why: str) -> None:
-    """A 400 for the first of ``names`` set to anything but its empty or false value."""
+def _refuse_set(request: BaseModel, names: tuple[str, ...], why: str, where: str = "") -> None:
+    """A 400 for the first of ``names`` set to anything but its empty or false value (``where``: the request
+    model's path in the body, ``messages[2].``)."""
     for name in names:
-        value = getattr(request, name)
-        if value not in (None, False, "", [], {}):
-            raise APIError(400, f"{name} is not supported by this server ({why}): remove it", param=name)
+        if getattr(request, name) not in (None, False, "", [], {}):
+            raise APIError(400, f"{where}{name} is not supported by this server ({why}): remove it", param=where + name)
 
 
 class OllamaMessage(BaseModel):
@@ -95,11 +95,8 @@ class OllamaMessage(BaseModel):
 
     def as_chat_message(self, index: int) -> ChatMessage:
         refuse_unknown(self, f"messages[{index}]")
-        for name, why in (("images", "text only"), ("thinking", "no reasoning output")):
-            if getattr(self, name) not in (None, "", []):
-                raise APIError(
-                    400, f"{name} is not supported by this server ({why})", param=f"messages[{index}].{name}"
-                )
+        _refuse_set(self, ("images",), "text only", f"messages[{index}].")
+        _refuse_set(self, ("thinking",), "no reasoning output", f"messages[{index}].")
         return chat_message(self.role, self.content, self.tool_calls, self.tool_name, index)
 
 
