@@ -2,6 +2,8 @@
 
 Every part gets what it needs in its constructor, in dependency order (workers, model, disk tier, KV
 manager, scheduler, runner, core, output processor), so no part is finished by someone else afterwards.
+A tensor-parallel worker (ranks 1..N-1) builds its own, smaller set here too: its shard and a runner, with no
+scheduler, KV manager state or sampler (it runs the flat steps rank 0 broadcasts).
 """
 
 from __future__ import annotations
@@ -12,25 +14,28 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
 
 from pagedkv import kernels
 from pagedkv.attention.backend import select_backend
 from pagedkv.config import EngineConfig
-from pagedkv.engine import tp_worker
 from pagedkv.engine.chat_templates import load_chat_template
 from pagedkv.engine.core import EngineCore
 from pagedkv.engine.kv_groups import make_kv_manager
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.runner import ModelRunner, kv_block_bytes
 from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.step_inputs import StepInputs
 from pagedkv.kv.block_directory import prepare_directory
 from pagedkv.kv.disk_fingerprint import engine_fingerprint
 from pagedkv.kv.disk_tier import DiskTier
 from pagedkv.kv.events import KVEventPublisher, KVEventRecorder, check_endpoint
+from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.ops import KV_DTYPES
 from pagedkv.model.loader import LoadedModel, default_model_path, load_model, model_directory
-from pagedkv.parallel import workers
-from pagedkv.parallel.group import SINGLE
+from pagedkv.model.spec import ModelSpec
+from pagedkv.parallel import wire, workers
+from pagedkv.parallel.group import SINGLE, TensorParallel
 from pagedkv.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -107,8 +112,33 @@ def _start_workers(config: EngineConfig) -> workers.Workers | None:
         return None
     model_directory(config.model)  # a GGUF file's metadata converted once, here, not by every rank
     model_path = config.model or default_model_path()
-    tp_worker.check_divides(model_path, config.tensor_parallel_size, config.tensor_parallel_exact)
-    return workers.start(config, model_path, tp_worker.serve)
+    _check_divides(model_path, config.tensor_parallel_size, config.tensor_parallel_exact)
+    return workers.start(config, model_path, _serve_worker)
+
+
+def _check_divides(model_path: str, world: int, exact: bool) -> None:
+    """Refuse a size that does not split the heads and the MLP, before any process starts."""
+    spec = ModelSpec.from_hf_config(transformers.AutoConfig.from_pretrained(model_directory(model_path)))
+    tp = TensorParallel(0, world)
+    tp.split(spec.num_heads, "query heads")
+    tp.split(spec.num_kv_heads, "KV heads")
+    tp.split(spec.intermediate_size, "MLP width")
+    if exact:
+        tp.split(spec.hidden_size, "hidden size")
+
+
+def _serve_worker(tp: TensorParallel, config: EngineConfig, model_path: str) -> None:
+    """A worker's life, which parallel/workers.py starts (so the comms room never builds a model): load the
+    shard, size the pool as rank 0 says, run steps until told to stop."""
+    attention = select_backend(config.attention_backend)
+    loaded = load_model(
+        model_path, config.weight_format, attention, kernels.use_kernels(config.kernels), tp, config.max_model_len
+    )
+    num_blocks = int(tp.broadcast(torch.zeros(1, dtype=torch.int64), idle=True))
+    kv = KVCacheManager(num_blocks, config.block_size, False)
+    runner = ModelRunner(loaded.model, kv, tp, kv_dtype=KV_DTYPES[config.kv_cache_dtype])
+    while (lists := wire.receive_lists(tp)) is not None:
+        runner.run(StepInputs.from_wire(lists))
 
 
 def _open_disk_tier(config: EngineConfig, loaded: LoadedModel, use_kernels: bool, kv_dtype: torch.dtype) -> DiskTier:

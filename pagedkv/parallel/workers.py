@@ -1,6 +1,6 @@
 """Starting and stopping tensor-parallel ranks: rank 0 is the engine, ranks 1..N-1 are workers.
 
-A worker joins the group, then runs the ``serve`` it was given (the engine's, engine/tp_worker.py: load
+A worker joins the group, then runs the ``serve`` it was given (the engine's, in engine/builder.py: load
 its shard, run the steps rank 0 broadcasts until rank 0 says stop): this module starts, watches and stops the
 ranks, and never builds a model. The same code runs whether the ranks share a machine or not.
 
@@ -84,7 +84,7 @@ def launched_by_torchrun() -> bool:
 
 def start(config: EngineConfig, model_path: str, serve: Serve) -> Workers:
     """Rank 0's side: the group of ``config.tensor_parallel_size`` ranks, workers started or joined, each
-    running ``serve`` (a worker's life, which the engine defines: engine/tp_worker.py).
+    running ``serve`` (a worker's life, which the engine defines in engine/builder.py).
 
     Under torchrun this process may be another rank: then it serves as a worker and exits when rank 0 stops.
     """
