@@ -21,7 +21,6 @@ from pagedkv.attention.backend import select_backend
 from pagedkv.config import EngineConfig
 from pagedkv.engine.chat_templates import load_chat_template
 from pagedkv.engine.core import EngineCore
-from pagedkv.engine.kv_groups import make_kv_manager
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.runner import ModelRunner, kv_block_bytes
 from pagedkv.engine.scheduler import Scheduler
@@ -30,6 +29,7 @@ from pagedkv.kv.block_directory import prepare_directory
 from pagedkv.kv.disk_fingerprint import engine_fingerprint
 from pagedkv.kv.disk_tier import DiskTier
 from pagedkv.kv.events import KVEventPublisher, KVEventRecorder, check_endpoint
+from pagedkv.kv.hybrid import HybridKVCacheManager, split_kv_budget, window_group_need
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.ops import KV_DTYPES
 from pagedkv.model.loader import LoadedModel, default_model_path, load_model, model_directory
@@ -73,7 +73,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         block_bytes = kv_block_bytes(model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, kv_dtype)
         num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gb * 2**30) // block_bytes)
         disk = None if config.kv_cache_dir is None else _open_disk_tier(config, loaded, use_kernels, kv_dtype)
-        kv = make_kv_manager(config, model.spec, num_blocks, tp.world_size, disk)
+        kv = _make_kv_manager(config, model.spec, num_blocks, tp.world_size, disk)
         max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         eos_token_ids = frozenset(loaded.eos_token_ids)
         scheduler = Scheduler(
@@ -139,6 +139,36 @@ def _serve_worker(tp: TensorParallel, config: EngineConfig, model_path: str) -> 
     runner = ModelRunner(loaded.model, kv, tp, kv_dtype=KV_DTYPES[config.kv_cache_dtype])
     while (lists := wire.receive_lists(tp)) is not None:
         runner.run(StepInputs.from_wire(lists))
+
+
+def _make_kv_manager(
+    config: EngineConfig, spec: ModelSpec, num_blocks: int, world_size: int, disk: DiskTier | None
+) -> KVCacheManager:
+    """The engine's KV manager. ``num_blocks``: the pool size as if every layer held whole contexts (the
+    ``num_kv_blocks`` option, or what ``kv_cache_memory_gb`` holds). ``disk``: the disk tier, if any.
+
+    A model with sliding-window layers (Gemma 3) gets a :class:`HybridKVCacheManager`: its windowed layers hold
+    only each request's last window, in a pool of their own, so the memory they would have spent on whole
+    contexts goes to the full-attention layers instead (docs/sliding-window.md). Every other model gets the
+    plain :class:`KVCacheManager`, unchanged.
+    """
+    windows = [w for w in spec.layer_windows if w]
+    if not windows:
+        return KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, disk)
+    if world_size > 1 or config.kv_cache_dir is not None:
+        logger.info(
+            "sliding-window layers keep every block of a request here (tensor parallelism and kv_cache_dir do not "
+            "take the windowed block group yet): KV memory is that of full attention"
+        )
+        return KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, disk)
+    window = max(windows)  # blocks kept for the widest window serve every narrower one
+    num_full_layers = spec.num_layers - len(windows)
+    if config.num_kv_blocks is not None:
+        full_blocks = window_blocks = num_blocks
+    else:
+        need = window_group_need(window, config.block_size, config.max_num_seqs, config.max_num_batched_tokens)
+        full_blocks, window_blocks = split_kv_budget(num_blocks * spec.num_layers, num_full_layers, len(windows), need)
+    return HybridKVCacheManager(full_blocks, config.block_size, config.enable_prefix_caching, window, window_blocks)
 
 
 def _open_disk_tier(config: EngineConfig, loaded: LoadedModel, use_kernels: bool, kv_dtype: torch.dtype) -> DiskTier:

@@ -126,3 +126,26 @@ class HybridKVCacheManager(KVCacheManager):
             "kv_window_blocks_cached": windowed.num_cached_blocks(),
             "kv_window_evictions": windowed.num_evictions,
         }
+
+
+def window_group_need(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """Windowed blocks the running requests can hold at once: each at most ``ceil(window / block_size) + 1``
+    between steps, one more while a step's chunk straddles a block, and the step's new tokens."""
+    return max_num_seqs * (-(-window // block_size) + 2) + -(-max_num_batched_tokens // block_size)
+
+
+def split_kv_budget(
+    budget_layer_blocks: int, num_full_layers: int, num_windowed_layers: int, window_need: int
+) -> tuple[int, int]:
+    """(full-attention group blocks, windowed group blocks) for a budget of ``budget_layer_blocks`` blocks of
+    one layer each.
+
+    The windowed group gets ``window_need`` blocks and the full-attention group the rest; where the budget
+    cannot spare that (or no layer attends fully), both get the same number: a windowed block of a request
+    always has a full-attention twin, so the windowed group never needs more.
+    """
+    equal = max(1, budget_layer_blocks // (num_full_layers + num_windowed_layers))
+    if window_need >= equal or num_full_layers == 0:
+        return equal, equal
+    full = max(1, (budget_layer_blocks - window_need * num_windowed_layers) // num_full_layers)
+    return full, window_need

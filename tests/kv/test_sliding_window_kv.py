@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from pagedkv import LLM, SamplingParams, kernels
-from pagedkv.engine.kv_groups import split_kv_budget, window_group_need
 from pagedkv.kv.hashing import extend_block_keys
-from pagedkv.kv.hybrid import HybridKVCacheManager
+from pagedkv.kv.hybrid import HybridKVCacheManager, split_kv_budget, window_group_need
 from tests.hf_reference import check_against_hf as _check_against_hf
 from tests.hf_reference import save_with_word_tokenizer
 from tests.model.test_gemma3 import WINDOW, _prompt, checkpoint, pair  # noqa: F401 - fixtures
