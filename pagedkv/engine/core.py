@@ -18,11 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from pagedkv import structured
-from pagedkv.engine.counter_history import CounterHistory
 from pagedkv.engine.request import CoreOutput, Request
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from pagedkv.kv.events import KVEventPublisher
+from pagedkv.kv.snapshot import CounterHistory
 from pagedkv.parallel.workers import TensorParallelFailure
 from pagedkv.sampler import Sampler, SamplerOutput
 

@@ -16,6 +16,7 @@ from PIL import Image
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.kv.prefix_tree import build_prefix_tree
+from pagedkv.kv.snapshot import CounterHistory
 from pagedkv.kv_map import render_kv_map, save_kv_map
 from tests.kv_map_pixels import states_in
 from tests.model.test_gemma3 import WINDOW, checkpoint, pair  # noqa: F401 - fixtures
@@ -144,8 +145,6 @@ def test_save_kv_map_writes_a_png(llm, tmp_path):
 
 
 def test_the_counter_history_keeps_one_sample_per_interval_in_a_bounded_ring():
-    from pagedkv.engine.counter_history import CounterHistory
-
     now = [100.0]
     calls = []
 
