@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-# keyed by model/layers.py (each format's dtype), kv/ops.py (each pool dtype) and attention/backend.py
+# keyed by model/layers.py (each format's dtype), kv/ops.py (each pool dtype) and attention/paged.py
 WEIGHT_FORMATS = ("float32", "bfloat16", "gguf", "gguf-int8")
 KV_CACHE_DTYPES = ("float32", "float16")
 ATTENTION_BACKENDS = ("kernel", "gather")

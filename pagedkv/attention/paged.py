@@ -1,4 +1,6 @@
-"""The two attention backends. Both write the step's K/V into the pool, then attend through the block tables.
+"""The attention backends: the protocol every layer calls, its two implementations, and the choice between them.
+
+Both backends write the step's K/V into the pool, then attend through the block tables.
 
 :class:`KernelAttention` (``"kernel"``) sends every row of the step -- decodes and prefill chunks -- to the
 compiled kernel in one call; it reads K/V where they lie and is batch-invariant: a row's output is the same
@@ -14,16 +16,52 @@ heads): per-request SDPA against one padded, masked SDPA over the batch. Per lay
 prompts of 40-2,000 tokens ran in 18 s instead of 23-45 s, and the 32 near-equal chats of
 ``benchmarks/throughput.py`` in 13-15.6 s instead of 9.4 s. The padded loss grows with the spread of the
 lengths, which continuous batching makes wide, so per request it is, and decodes share the prefill loop.
+
+The backend is chosen once, when the engine starts (:func:`select_backend`), and handed to the layers: a
+machine without a compiler then runs (on the torch backend, with one log line saying why) instead of failing
+at its first step, and a layer's forward is one method call with no dispatch on a name.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+from typing import Protocol
+
 import torch.nn.functional as F
 from torch import Tensor
 
-from pagedkv import kernel_ops
+from pagedkv import kernel_ops, kernels
 from pagedkv.attention.metadata import AttentionMetadata, GatherMetadata
+from pagedkv.config import ATTENTION_BACKENDS  # the compiled paged attention kernel, or gather + SDPA (torch only)
 from pagedkv.kv import ops
+
+ENV_VAR = "PAGEDKV_ATTENTION_BACKEND"
+
+
+class AttentionBackend(Protocol):
+    name: str  # one of ATTENTION_BACKENDS
+
+    def build_metadata(
+        self, block_tables: Sequence[Sequence[int]], query_lens: Sequence[int], seq_lens: Sequence[int], block_size: int
+    ) -> AttentionMetadata:
+        """One step's metadata, with what this backend precomputes per step (requests in any order)."""
+        ...
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        k_pool: Tensor,
+        v_pool: Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int = 0,
+    ) -> Tensor:
+        """Write ``k, v [T, Hkv, D]`` at ``meta.slot_mapping``, then attend ``q [T, Hq, D]``: ``[T, Hq, D]``.
+        ``window`` > 0: a query at position p attends to keys (p - window, p] only (a sliding-window layer)."""
+        ...
 
 
 class TorchAttention:
@@ -112,3 +150,19 @@ class KernelAttention:
         return kernel_ops.paged_attention(
             q, k_pool, v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, window
         )
+
+
+def select_backend(requested: str | None) -> AttentionBackend:
+    """The ``attention_backend`` option (one of ``ATTENTION_BACKENDS``, checked by ``EngineConfig``), else
+    ``$PAGEDKV_ATTENTION_BACKEND``, else the kernel if it builds.
+
+    Asking for the kernel where it cannot be built gives the torch backend, with a warning.
+    """
+    source = f"attention_backend={requested!r}"
+    value = os.environ.get(ENV_VAR, "").strip()
+    if requested is None and value:
+        if value not in ATTENTION_BACKENDS:
+            raise ValueError(f"${ENV_VAR}={value!r} is not one of {ATTENTION_BACKENDS}: use one of those, or unset it")
+        requested, source = value, f"${ENV_VAR}={value}"
+    wanted = None if requested is None else requested == "kernel"
+    return KernelAttention() if kernels.use_compiled(wanted, source, kernels.portable) else TorchAttention()

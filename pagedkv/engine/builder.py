@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from pagedkv import kernels
-from pagedkv.attention.backend import select_backend
+from pagedkv.attention.paged import select_backend
 from pagedkv.config import EngineConfig
 from pagedkv.engine.chat_templates import load_chat_template
 from pagedkv.engine.core import EngineCore

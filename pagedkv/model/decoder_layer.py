@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from pagedkv.attention.backend import AttentionBackend
 from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.attention.paged import AttentionBackend
 from pagedkv.model.layers import GatedMLP, Linear, RMSNorm, empty_parameter
 from pagedkv.model.moe import SparseMoeBlock
 from pagedkv.model.rope import rotate_heads

@@ -29,9 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from pagedkv import kernels
-from pagedkv.attention.backend import AttentionBackend
 from pagedkv.attention.metadata import AttentionMetadata
-from pagedkv.attention.paged import TorchAttention
+from pagedkv.attention.paged import AttentionBackend, TorchAttention
 from pagedkv.model import gguf_blocks, gguf_weights, int8_linear, panel
 from pagedkv.model.decoder_layer import LlamaAttention, LlamaDecoderLayer
 from pagedkv.model.decoder_stack import DecoderStack, stack_for

@@ -32,7 +32,7 @@ import torch
 import transformers
 
 from pagedkv import kernels as compiled
-from pagedkv.attention.backend import AttentionBackend
+from pagedkv.attention.paged import AttentionBackend
 from pagedkv.extension import cache_root
 from pagedkv.model import gguf_rope, gguf_weights
 from pagedkv.model.checkpoint import Checkpoint

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from pagedkv import kernel_ops, kernels
-from pagedkv.attention.backend import ENV_VAR, select_backend
-from pagedkv.attention.paged import KernelAttention, TorchAttention
+from pagedkv.attention.paged import ENV_VAR, KernelAttention, TorchAttention, select_backend
 from pagedkv.config import EngineConfig
 from pagedkv.extension import cache_root, prebuilt_directory
 from pagedkv.kv import ops, reference

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from pagedkv import LLM
-from pagedkv.attention import backend
+from pagedkv.attention import paged
 from pagedkv.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, WEIGHT_FORMATS, EngineConfig
 from pagedkv.entrypoints.cli import add_engine_args, engine_kwargs
 from pagedkv.kv import disk_files
@@ -35,10 +35,10 @@ def test_the_allowed_names_are_the_ones_the_implementations_take(monkeypatch):
     assert sorted(WEIGHT_DTYPES) == sorted(WEIGHT_FORMATS)
     assert sorted(KV_DTYPES) == sorted(KV_CACHE_DTYPES)
     assert set(disk_files._SAFETENSORS_NAMES) == set(KV_DTYPES.values())  # the disk tier names each pool dtype
-    assert sorted([backend.KernelAttention.name, backend.TorchAttention.name]) == sorted(ATTENTION_BACKENDS)
-    monkeypatch.setenv(backend.ENV_VAR, "flash")
+    assert sorted([paged.KernelAttention.name, paged.TorchAttention.name]) == sorted(ATTENTION_BACKENDS)
+    monkeypatch.setenv(paged.ENV_VAR, "flash")
     with pytest.raises(ValueError, match="is not one of"):
-        backend.select_backend(None)
+        paged.select_backend(None)
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from pagedkv import extension, kernels
-from pagedkv.attention import backend
+from pagedkv.attention import paged
 
 HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
 needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler here: nothing can be built")
@@ -239,18 +239,18 @@ def test_unsafe_cache_stops_engine_start(monkeypatch, tmp_path, caplog):
     root.chmod(0o775)
     monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(root))
     monkeypatch.setenv(kernels.VARIANT_ENV, "jit")  # the cache is used, not a checkout's build/ (make wheel)
-    monkeypatch.delenv(backend.ENV_VAR, raising=False)
+    monkeypatch.delenv(paged.ENV_VAR, raising=False)
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)
     monkeypatch.setattr(kernels, "portable", kernels.portable.fresh())
     monkeypatch.setattr(kernels, "gemm", kernels.gemm.fresh())
     for _ in range(2):
         with pytest.raises(extension.UnsafeCacheDirectory, match=f"{root} is writable by group"):
-            backend.select_backend(None)
+            paged.select_backend(None)
         with pytest.raises(extension.UnsafeCacheDirectory, match=f"chmod go-w {root}"):
             kernels.use_kernels(True)
     with pytest.raises(extension.UnsafeCacheDirectory):  # also waits for its build thread, which must end here
         kernels.gemm.available()
-    assert backend.select_backend("gather").name == "gather"
+    assert paged.select_backend("gather").name == "gather"
     assert kernels.use_kernels(False) is False
     assert "could not be built" not in caplog.text
 
