@@ -1,4 +1,4 @@
-"""The attention backends: the protocol every layer calls, its two implementations, and the choice between them.
+"""The two attention backends a layer calls (:data:`AttentionBackend`), and the choice between them.
 
 Both backends write the step's K/V into the pool, then attend through the block tables.
 
@@ -25,8 +25,6 @@ at its first step, and a layer's forward is one method call with no dispatch on 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import Protocol
 
 import torch.nn.functional as F
 from torch import Tensor
@@ -37,31 +35,6 @@ from pagedkv.config import ATTENTION_BACKENDS  # the compiled paged attention ke
 from pagedkv.kv import ops
 
 ENV_VAR = "PAGEDKV_ATTENTION_BACKEND"
-
-
-class AttentionBackend(Protocol):
-    name: str  # one of ATTENTION_BACKENDS
-
-    def build_metadata(
-        self, block_tables: Sequence[Sequence[int]], query_lens: Sequence[int], seq_lens: Sequence[int], block_size: int
-    ) -> AttentionMetadata:
-        """One step's metadata, with what this backend precomputes per step (requests in any order)."""
-        ...
-
-    def forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        k_pool: Tensor,
-        v_pool: Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        window: int = 0,
-    ) -> Tensor:
-        """Write ``k, v [T, Hkv, D]`` at ``meta.slot_mapping``, then attend ``q [T, Hq, D]``: ``[T, Hq, D]``.
-        ``window`` > 0: a query at position p attends to keys (p - window, p] only (a sliding-window layer)."""
-        ...
 
 
 class TorchAttention:
@@ -150,6 +123,11 @@ class KernelAttention:
         return kernel_ops.paged_attention(
             q, k_pool, v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, window
         )
+
+
+# What every layer attends through: ``build_metadata`` once a step, then ``forward`` per layer (the two methods
+# and ``name``, one of ATTENTION_BACKENDS, are all a layer uses).
+AttentionBackend = KernelAttention | TorchAttention
 
 
 def select_backend(requested: str | None) -> AttentionBackend:
