@@ -74,7 +74,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(spec, dtype, attention, tp, spec.window(index))
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp: GatedMLP | SparseMoeBlock
-        if spec.moe is not None and spec.moe.is_sparse(index):
+        if spec.moe is not None and spec.moe.sparse_layers[index]:
             self.mlp = SparseMoeBlock(spec.hidden_size, spec.moe, dtype, tp)
         else:
             self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, dtype, tp, spec.activation)

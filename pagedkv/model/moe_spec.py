@@ -36,9 +36,6 @@ class MoESpec:
     checkpoint_block: str = "mlp"  # the checkpoint's name of a layer's sparse block: mlp.gate.weight, ...
     expert_parts: tuple[str, str, str] = _QWEN_EXPERT  # the checkpoint's names of an expert's gate, up, down
 
-    def is_sparse(self, layer: int) -> bool:
-        return self.sparse_layers[layer]
-
 
 def moe_spec(config: Any) -> MoESpec | None:
     """The MoE description of a ``qwen3_moe`` / ``qwen2_moe`` / ``mixtral`` config (None for a dense family, or
