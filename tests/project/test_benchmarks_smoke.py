@@ -70,7 +70,9 @@ def test_attention_quick_json():
 
 @pytest.mark.slow  # the default model
 def test_throughput_quick_json(tmp_path):
-    summary = run_quick_json("throughput.py", "--out-dir", str(tmp_path))
+    """Two requests of 4 tokens: the second still finds the system prompt the first left in the cache."""
+    options = ["--max-requests", "2", "--max-new-tokens", "4", "--out-dir", str(tmp_path)]
+    summary = run_quick_json("throughput.py", *options)
     engines = [row["engine"] for row in summary["results"]]
     assert engines == ["pagedkv fp32, prefix caching", "pagedkv fp32, no prefix caching"]
     on, off = summary["results"]
