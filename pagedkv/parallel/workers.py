@@ -65,13 +65,17 @@ class Workers:
         if self.closed:
             return
         self.closed = True
+        # A broken group (a worker gone, or the stop not sent) leaves the others waiting on a broadcast that
+        # never comes: they are killed at once rather than after STOP_WAIT_S each.
+        broken = any(p.exitcode is not None for p in self.processes)
         try:
-            if all(p.exitcode is None for p in self.processes):
+            if not broken:
                 wire.send_stop(self.tp)
         except RuntimeError:
             logger.warning("could not tell the tensor-parallel workers to stop; terminating them")
+            broken = True
         for process in self.processes:
-            process.join(STOP_WAIT_S)
+            process.join(0 if broken else STOP_WAIT_S)
             if process.exitcode is None:
                 process.kill()
                 process.join()
