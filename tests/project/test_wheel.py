@@ -1,10 +1,12 @@
 """The wheel (issue 29): built with the kernels compiled in, installed into a fresh venv with no compiler reachable,
 it runs the default model on its prebuilt kernels, the variant for this CPU or the one forced.
 
-``make test-wheel`` builds the tagged wheel (``make wheel``: four libraries from 17 sources, ~210-250 CPU seconds
-from a clean tree, seconds from an unchanged build/) and passes it here (``PAGEDKV_WHEEL=dist/....whl``).
-``PAGEDKV_TEST_WHEEL=1`` builds an untagged wheel here (``pip wheel``) and tests that. ``make test`` does not
-build one (from a clean tree it would take the suite past its 15 minutes), so there this test skips, saying so.
+``make test`` (and so CI) builds the tagged wheel first (``make wheel``: four libraries from 17 sources, ~210-250
+CPU seconds from a clean tree, seconds from an unchanged build/) and passes it here (``PAGEDKV_WHEEL=dist/....whl``);
+the suite before this test loads the same libraries from build/ instead of compiling its own. ``make test-wheel``
+runs this file alone; ``PAGEDKV_TEST_WHEEL=1`` builds an untagged wheel here (``pip wheel``) and tests that. Where
+``make test`` cannot build one (no C++ compiler, not x86-64, no auditwheel) it says why in ``PAGEDKV_NO_WHEEL``,
+and this test skips with that reason.
 
 The venv holds pagedkv from the wheel only, installed with ``--no-deps``: its third-party dependencies (torch,
 transformers, ...) come from this venv's site-packages through a ``.pth`` line. Installing them for real takes
@@ -33,8 +35,8 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
         os.environ.get("PAGEDKV_TEST_WHEEL") != "1" and not os.environ.get("PAGEDKV_WHEEL"),
-        reason="no wheel to test: make test-wheel builds and tests it (PAGEDKV_WHEEL names a built wheel; "
-        "PAGEDKV_TEST_WHEEL=1 builds one here)",
+        reason=f"no wheel to test: {os.environ.get('PAGEDKV_NO_WHEEL') or 'run by make test or make test-wheel'} "
+        "(PAGEDKV_WHEEL names a built wheel; PAGEDKV_TEST_WHEEL=1 builds one here)",
     ),
     pytest.mark.skipif(cpu_level() is None, reason="the prebuilt kernels need an x86-64-v2 CPU (SSE4.2, POPCNT)"),
 ]
