@@ -30,8 +30,11 @@ def pagedkv_decode(llm, tokens: int) -> float:
     def run(n: int) -> float:
         llm.reset_prefix_cache()
         start = time.perf_counter()
-        llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(max_tokens=n, temperature=0,
-                                                                                ignore_eos=True), use_tqdm=False)
+        llm.generate(
+            prompt_token_ids=[PROMPT],
+            sampling_params=SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+            use_tqdm=False,
+        )
         return time.perf_counter() - start
 
     return tokens / (run(tokens + 1) - run(1))
@@ -85,8 +88,9 @@ def main() -> None:
     if not args.no_llama_cpp:
         from llama_cpp import Llama
 
-        cpp = Llama(model_path=args.model, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=1024,
-                    verbose=False)
+        cpp = Llama(
+            model_path=args.model, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=1024, verbose=False
+        )
         timers["llama.cpp"] = lambda: llama_cpp_decode(cpp, args.decode)
     if args.rows:
         for f, llm in engines.items():
@@ -99,8 +103,10 @@ def main() -> None:
             results[name].append(timer())
         print(f"round {round_ + 1}: " + ", ".join(f"{n} {v[-1]:.1f}" for n, v in results.items()), flush=True)
     isa = "AVX-512" if "avx512f" in cpu_flags().split() else "AVX2"
-    print(f"{Path(args.model).name}, {args.threads} threads, {isa} CPU; decode tok/s of one request ({args.decode} "
-          f"tokens), min-max over {args.rounds} alternating rounds:")
+    print(
+        f"{Path(args.model).name}, {args.threads} threads, {isa} CPU; decode tok/s of one request ({args.decode} "
+        f"tokens), min-max over {args.rounds} alternating rounds:"
+    )
     for name, values in results.items():
         print(f"  {name:34} {min(values):7.1f} - {max(values):7.1f}")
 

@@ -449,8 +449,17 @@ def warm_up(server: Server, system: str, timeout_s: float) -> None:
 # ---------------------------------------------------------------------------------------------- the benchmark
 
 
-def timed_run(server: Server, name: str, concurrency: int, round_number: int, parallel: int | None,
-              conversations: list[list[dict]], max_new_tokens: int, args, log) -> Run:
+def timed_run(
+    server: Server,
+    name: str,
+    concurrency: int,
+    round_number: int,
+    parallel: int | None,
+    conversations: list[list[dict]],
+    max_new_tokens: int,
+    args,
+    log,
+) -> Run:
     """One timed run of ``conversations`` on a started, warmed-up server, summarized and printed."""
     if args.wait_quiet is not None:
         wait_for_quiet(server.proc.pid, args.wait_quiet, args.wait_quiet_max_s, log)
@@ -702,8 +711,11 @@ def main() -> int:
                     for c in group:
                         where = f"round {round_index + 1}/{rounds}: {name}, concurrency {c}"
                         print(f"{where} ...", file=log, flush=True)
-                        runs.append(timed_run(server, name, c, round_index + 1, parallel, conversations,
-                                              max_new_tokens, args, log))
+                        runs.append(
+                            timed_run(
+                                server, name, c, round_index + 1, parallel, conversations, max_new_tokens, args, log
+                            )
+                        )
 
     rows, summary = report(runs, concurrencies)
     table = [[row[h] if row[h] is not None else "-" for h in HEADERS] for row in rows]

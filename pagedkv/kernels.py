@@ -79,7 +79,7 @@ class KernelChoice:
         """The prebuilt file of library ``name`` for this variant, or the best lower one the wheel has (the GEMM
         is built for x86-64-v3 only: its AVX-512 kernels are picked at run time; a v2 CPU has none)."""
         variants = (self.files or {}).get(name, {})
-        for variant in PREBUILT[PREBUILT.index(self.variant):]:
+        for variant in PREBUILT[PREBUILT.index(self.variant) :]:
             if variant in variants:
                 return self.directory / variants[variant]
         raise KernelsUnavailable(f"the prebuilt kernels in {self.directory} have no {name} for {self.variant} or below")
@@ -117,21 +117,29 @@ def _choose(forced: str, directory: Path) -> KernelChoice:
     manifest = prebuilt_libraries(directory)
     if manifest is None:
         if forced:
-            return KernelChoice("none", reason=f"${VARIANT_ENV}={forced} but there are no prebuilt kernels in "
-                                               f"{directory} (build the wheel: `make wheel`)")
+            return KernelChoice(
+                "none",
+                reason=f"${VARIANT_ENV}={forced} but there are no prebuilt kernels in "
+                f"{directory} (build the wheel: `make wheel`)",
+            )
         return KernelChoice("jit")  # a development checkout
     built_for = manifest.get("torch")
     if built_for != torch.__version__:
         logger.warning(
             "pagedkv: the prebuilt kernels in %s were built for torch %s, not this torch %s, so they are not "
             "loaded: compiling them here instead (needs a C++ compiler); install torch==%s to use them",
-            directory, built_for, torch.__version__, built_for,
+            directory,
+            built_for,
+            torch.__version__,
+            built_for,
         )
         return KernelChoice("jit")
     stale = stale_sources(manifest, _CSRC.parent, (f for library in (portable, gemm) for f in library.files()))
     if stale:
-        why = (f"the prebuilt kernels in {directory} were not built from this package's {', '.join(stale[:3])}"
-               f"{' ...' if len(stale) > 3 else ''} (rebuild them: `make wheel`)")
+        why = (
+            f"the prebuilt kernels in {directory} were not built from this package's {', '.join(stale[:3])}"
+            f"{' ...' if len(stale) > 3 else ''} (rebuild them: `make wheel`)"
+        )
         if forced:
             return KernelChoice("none", reason=f"${VARIANT_ENV}={forced} but {why}")
         logger.info("pagedkv: %s: compiling them here instead", why)
@@ -142,20 +150,33 @@ def _choose(forced: str, directory: Path) -> KernelChoice:
             return KernelChoice("none", reason=f"${VARIANT_ENV}={forced} but this CPU is not {LEVEL_NAMES[forced]}")
         return KernelChoice(forced, directory, manifest["libraries"])
     if level is None:
-        return KernelChoice("none", reason="this CPU lacks SSE4.2 / POPCNT (x86-64-v2), which the prebuilt kernels "
-                                           "need; a source install (`pip install -e .`) compiles them for it")
+        return KernelChoice(
+            "none",
+            reason="this CPU lacks SSE4.2 / POPCNT (x86-64-v2), which the prebuilt kernels "
+            "need; a source install (`pip install -e .`) compiles them for it",
+        )
     return KernelChoice(level, directory, manifest["libraries"])
 
 
 def _log_choice(choice: KernelChoice, forced: str) -> None:
     how = f" (forced by ${VARIANT_ENV})" if forced else ""
     if choice.variant == "v2":  # the portable ops only: loud, as the GEMM's absence costs about half the speed
-        logger.warning("pagedkv: prebuilt kernels, variant v2: %s, from %s%s; the panel GEMM needs AVX2 + FMA "
-                       "(x86-64-v3), so the linear layers run on torch's GEMM, %s",
-                       LEVEL_NAMES["v2"], choice.directory, how, GEMM_SLOWER)
+        logger.warning(
+            "pagedkv: prebuilt kernels, variant v2: %s, from %s%s; the panel GEMM needs AVX2 + FMA "
+            "(x86-64-v3), so the linear layers run on torch's GEMM, %s",
+            LEVEL_NAMES["v2"],
+            choice.directory,
+            how,
+            GEMM_SLOWER,
+        )
     elif choice.variant in LEVEL_NAMES:
-        logger.info("pagedkv: prebuilt kernels, variant %s: %s, from %s%s",
-                    choice.variant, LEVEL_NAMES[choice.variant], choice.directory, how)
+        logger.info(
+            "pagedkv: prebuilt kernels, variant %s: %s, from %s%s",
+            choice.variant,
+            LEVEL_NAMES[choice.variant],
+            choice.directory,
+            how,
+        )
     elif choice.variant == "jit":
         logger.debug("pagedkv: kernels compiled on first use (-march=native)%s", how)
     else:
@@ -270,8 +291,10 @@ def use_compiled(requested: bool | None, source: str, library: CompiledLibrary) 
 
 portable = CompiledLibrary(
     "pagedkv_ops",
-    [_CSRC / name for name in ("paged_attention.cpp", "rms_norm.cpp", "pointwise.cpp", "decoder_stack.cpp",
-                               "gguf_blocks.cpp")],
+    [
+        _CSRC / name
+        for name in ("paged_attention.cpp", "rms_norm.cpp", "pointwise.cpp", "decoder_stack.cpp", "gguf_blocks.cpp")
+    ],
     [_CSRC / "simd.h"],
     what="compiled ops (paged attention, RMSNorm, SiLU, RoPE)",
     fallback=f"torch's ops run instead, {SLOWER} (attention_backend='gather', kernels=False skip the attempt)",

@@ -134,7 +134,7 @@ class SamplingParams:
         if self.max_tokens != 0 or self.n != 1:
             raise InvalidParameter(
                 "pooling",
-                f"an embedding (pooling) samples nothing: set max_tokens=0 and n=1, got {self.max_tokens} and {self.n}"
+                f"an embedding (pooling) samples nothing: set max_tokens=0 and n=1, got {self.max_tokens} and {self.n}",
             )
         if self.prompt_logprobs is not None or self.structured_outputs is not None:
             raise InvalidParameter("pooling", "pooling cannot be combined with prompt_logprobs or structured_outputs")

@@ -48,7 +48,9 @@ def weight(tensor: GGUFTensor) -> PanelWeight | None:
     if tensor.ggml_type not in REPACKED:
         logger.info(
             "%s: tensor %r is %s, which has no int8-activation kernel: it is computed exactly (fp32)",
-            tensor.file, tensor.name, tensor.type_name,
+            tensor.file,
+            tensor.name,
+            tensor.type_name,
         )
         return None
     return repack(tensor.data, tensor.shape[0], tensor.k, tensor.ggml_type)

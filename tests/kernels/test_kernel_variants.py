@@ -50,10 +50,14 @@ def prebuilt(monkeypatch, tmp_path):
     """A fake wheel's _lib for this torch (portable v2 + v3 + v4, GEMM v3); no variant forced; a v4 CPU."""
     directory = tmp_path / "_lib"
     directory.mkdir()
-    manifest = {"torch": torch.__version__, "libraries": {
-        "pagedkv_ops": {"v2": "pagedkv_ops_v2.so", "v3": "pagedkv_ops_v3.so", "v4": "pagedkv_ops_v4.so"},
-        "pagedkv_gemm": {"v3": "pagedkv_gemm_v3.so"},
-    }, "sources": digests(CSRC)}
+    manifest = {
+        "torch": torch.__version__,
+        "libraries": {
+            "pagedkv_ops": {"v2": "pagedkv_ops_v2.so", "v3": "pagedkv_ops_v3.so", "v4": "pagedkv_ops_v4.so"},
+            "pagedkv_gemm": {"v3": "pagedkv_gemm_v3.so"},
+        },
+        "sources": digests(CSRC),
+    }
     (directory / "manifest.json").write_text(json.dumps(manifest))
     monkeypatch.setenv("PAGEDKV_KERNEL_DIR", str(directory))
     monkeypatch.delenv(kernels.VARIANT_ENV, raising=False)
@@ -98,8 +102,10 @@ def test_a_v2_cpu_gets_the_portable_ops_and_says_the_gemm_is_missing(prebuilt, m
     assert "variant v2" in warnings[0] and "AVX2 + FMA" in warnings[0] and kernels.GEMM_SLOWER in warnings[0]
 
 
-@pytest.mark.parametrize(("forced", "variant"), [("v2", "v2"), ("v3", "v3"), ("v4", "v4"), ("jit", "jit"),
-                                                 ("none", "none"), ("auto", "v4"), ("", "v4")])
+@pytest.mark.parametrize(
+    ("forced", "variant"),
+    [("v2", "v2"), ("v3", "v3"), ("v4", "v4"), ("jit", "jit"), ("none", "none"), ("auto", "v4"), ("", "v4")],
+)
 def test_forced_variants(prebuilt, monkeypatch, forced, variant):
     monkeypatch.setenv(kernels.VARIANT_ENV, forced)
     assert kernels.kernel_choice().variant == variant
@@ -165,9 +171,10 @@ def test_changed_sources_are_compiled_instead(prebuilt, monkeypatch, caplog, tmp
     for library in ("portable", "gemm"):
         original = getattr(kernels, library)
         files = [package / "csrc" / p.name for p in original.files()]
-        sources, headers = files[: len(original.sources)], files[len(original.sources):]
-        monkeypatch.setattr(kernels, library, kernels.CompiledLibrary(
-            original.name, sources, headers, original.what, original.fallback))
+        sources, headers = files[: len(original.sources)], files[len(original.sources) :]
+        monkeypatch.setattr(
+            kernels, library, kernels.CompiledLibrary(original.name, sources, headers, original.what, original.fallback)
+        )
     assert kernels.kernel_choice().variant == "v4"
     with (package / "csrc" / "simd.h").open("a") as f:
         f.write("// an edit\n")

@@ -107,8 +107,12 @@ def test_a_q4_k_m_mix_with_biases_and_a_tied_q8_0_head(tmp_path, monkeypatch):
     """q, k Q4_K and v Q6_K in one fused layer (both repacked), Qwen2's biases, the tied Q8_0 head (the
     embedding's rows then read from its blocks)."""
     path = save_tiny_gguf(
-        tmp_path / "mix.gguf", T.Q4_K, "qwen2", part_types={"attn_v": T.Q6_K, "ffn_down": T.Q6_K},
-        embedding_type=T.Q8_0, tie_word_embeddings=True,
+        tmp_path / "mix.gguf",
+        T.Q4_K,
+        "qwen2",
+        part_types={"attn_v": T.Q6_K, "ffn_down": T.Q6_K},
+        embedding_type=T.Q8_0,
+        tie_word_embeddings=True,
     )
     _compare(path, {"int8-q4_k-x16", "int8-q6_k-x16", "int8-q8_0-x16"}, monkeypatch)
 

@@ -56,7 +56,11 @@ def build_wheel(out: Path) -> Path:
     env = {**os.environ, "MAX_JOBS": os.environ.get("MAX_JOBS", "1")}
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--wheel-dir", str(out), str(REPO)],
-        check=True, env=env, cwd=REPO, capture_output=True, text=True,
+        check=True,
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
     )
     (wheel,) = out.glob("pagedkv-*.whl")
     return wheel
@@ -70,9 +74,21 @@ def venv(tmp_path_factory) -> Path:
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--quiet", "--no-deps",
-         "--no-index", str(wheel)],
-        check=True, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(venv / "bin" / "python"),
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-index",
+            str(wheel),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},  # a checkout on it is "already installed"
     )
     (site,) = venv.glob("lib/python3*/site-packages")
@@ -115,7 +131,9 @@ def test_generate_on_the_prebuilt_kernels(venv, tmp_path, variant):
         pytest.skip(f"this CPU is below {variant}: that variant cannot run here")
     start = time.perf_counter()
     result = run_in(
-        venv, [str(venv / "bin" / "pagedkv"), "-v", "generate", "hello", "--max-tokens", "4"], tmp_path,
+        venv,
+        [str(venv / "bin" / "pagedkv"), "-v", "generate", "hello", "--max-tokens", "4"],
+        tmp_path,
         PAGEDKV_KERNEL_VARIANT=variant,
     )
     took = time.perf_counter() - start

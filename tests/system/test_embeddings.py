@@ -67,9 +67,7 @@ def test_same_bits_cold_warm_chunked_and_batched(llm, pooling):
 def test_embedding_beside_generation_changes_no_token(llm):
     greedy = SamplingParams(max_tokens=12, temperature=0.0)
     alone = llm.generate(TEXTS[0], greedy, use_tqdm=False)[0]
-    mixed = llm.generate(
-        [TEXTS[0], TEXTS[1]], [greedy, SamplingParams(max_tokens=0, pooling="mean")], use_tqdm=False
-    )
+    mixed = llm.generate([TEXTS[0], TEXTS[1]], [greedy, SamplingParams(max_tokens=0, pooling="mean")], use_tqdm=False)
     assert mixed[0].outputs[0].token_ids == alone.outputs[0].token_ids
     assert mixed[1].embedding == llm.embed(TEXTS[1], pooling="mean", use_tqdm=False)[0].embedding
 
