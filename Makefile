@@ -102,6 +102,7 @@ docs: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check pagedkv tests benchmarks run.py
+	$(BIN)/ruff format --check pagedkv tests benchmarks run.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/gather.py
