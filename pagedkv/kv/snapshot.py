@@ -88,6 +88,9 @@ RECORDED = {
 
 
 class CounterHistory:
+    """The cache counters over time, for the KV map's charts: one sample per ``interval_s`` at most, in a ring
+    of ``capacity`` (see the module's docstring for why it is cheap)."""
+
     def __init__(self, interval_s: float = 0.5, capacity: int = 1200, clock: Callable[[], float] = time.time) -> None:
         self.interval_s = interval_s
         self._clock = clock
